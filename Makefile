@@ -1,0 +1,34 @@
+# tf_adasum developer commands. `make test` is all a fresh clone needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+EXTRAS := cpu,mpi,viz,eval,test
+
+.PHONY: install test test-quick lint eval bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+test-quick: install
+	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check tf_adasum tests benchmarks examples
+
+eval: install
+	$(VENV)/bin/tf-adasum eval
+
+bench: install
+	$(VENV)/bin/tf-adasum bench
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

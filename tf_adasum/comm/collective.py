@@ -1,0 +1,236 @@
+"""The TensorFlow collective-ops engine of the vector-halving driver.
+
+Pairwise steps are ``CollectiveAllToAllV2`` (phase 1) and ``CollectiveGatherV2``
+(phase 2) over a group of two; per-level partial sums are a float64
+``CollectiveReduceV2`` over the subgroup's own key; the non-power-of-two fold
+uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``. The same ops serve
+the devices of one process and devices spread over worker processes.
+
+Keys are handed out in one place, `CollectiveKeys`: a group key per set of
+devices, and per (group, device) an instance-key counter, so every member of a
+group draws the same keys as long as it issues the same collectives in the same
+order. Within one `tf.function` each device's collectives carry that device's
+ordering token and a control dependency on its previous collective, so they run
+in program order on every device.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import tensorflow as tf
+
+__all__ = ["CollectiveKeys", "TFCollectiveCommunicator", "device_sort_key", "register_groups"]
+
+# Well above the keys TensorFlow's own CollectiveAllReduce hands out (from 1).
+_GROUP_KEY_START = 0x0ADA0000
+
+
+def device_sort_key(device: str) -> tuple:
+    """The order in which the collective runtime ranks the members of a group
+    (job, replica, task, device type, device index; numerically)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return (spec.job or "", spec.replica or 0, spec.task or 0, (spec.device_type or "").upper(), spec.device_index or 0)
+
+
+def _canonical(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.to_string()
+
+
+class CollectiveKeys:
+    """Hands out collective group and instance keys (process-wide).
+
+    Group keys are allocated sequentially per new device set, so processes that
+    register the same groups in the same order agree on them.
+    """
+
+    def __init__(self, group_key_start: int = _GROUP_KEY_START):
+        self._lock = threading.Lock()
+        self._next_group_key = group_key_start
+        self._group_keys: dict[tuple[str, ...], int] = {}
+        self._instance_keys: dict[tuple[int, str], int] = {}
+
+    def group_key(self, devices: Sequence[str]) -> int:
+        """The key of the group made of `devices` (in any order)."""
+        members = tuple(sorted((_canonical(d) for d in devices), key=device_sort_key))
+        with self._lock:
+            if members not in self._group_keys:
+                self._group_keys[members] = self._next_group_key
+                self._next_group_key += 1
+            return self._group_keys[members]
+
+    def instance_key(self, group_key: int, device: str) -> int:
+        """The next instance key of `device` in group `group_key`."""
+        slot = (group_key, _canonical(device))
+        with self._lock:
+            key = self._instance_keys.get(slot, 1)
+            self._instance_keys[slot] = key + 1
+            return key
+
+
+#: The process-wide key allocator.
+KEYS = CollectiveKeys()
+
+_ORDERING_TOKENS: dict[str, tf.Tensor] = {}
+_TOKENS_LOCK = threading.Lock()
+
+
+def _ordering_token(device: str) -> tf.Tensor:
+    """A resource handle on `device` that orders its collectives in a tf.function.
+
+    A bare resource handle (never initialised, never read) rather than a
+    variable, so no `tf.distribute` variable creator can wrap it.
+    """
+    device = _canonical(device)
+    with _TOKENS_LOCK:
+        if device not in _ORDERING_TOKENS:
+            with tf.init_scope(), tf.device(device):
+                _ORDERING_TOKENS[device] = tf.raw_ops.VarHandleOp(
+                    dtype=tf.float32, shape=[], shared_name=f"adasum_ordering_token_{len(_ORDERING_TOKENS)}"
+                )
+        return _ORDERING_TOKENS[device]
+
+
+def _carried(x: tf.Tensor) -> tf.Tensor:
+    """`x` in a dtype every collective kernel carries: gather and broadcast have
+    no bfloat16 kernels, so bfloat16 travels bitcast to float16 (same width)."""
+    return tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
+
+
+def _restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.bitcast(x, dtype) if x.dtype != dtype else x
+
+
+def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
+    """Allocates the group keys of `rank_groups` (ranks index `devices`) in order."""
+    for group in rank_groups:
+        keys.group_key([devices[r] for r in group])
+
+
+class TFCollectiveCommunicator:
+    """One rank's view of the replicas, over TF collective ops.
+
+    Build one per rank and per graph; it chains that rank's collectives.
+
+    Args:
+      devices: the device of every rank, in rank order (global replica order).
+      rank: this communicator's rank.
+      timeout_seconds: collective timeout; 0 or None waits forever.
+      keys: the key allocator (the process-wide one by default).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str],
+        rank: int,
+        timeout_seconds: float | None = None,
+        keys: CollectiveKeys = KEYS,
+    ):
+        self.devices = tuple(devices)
+        self.rank = rank
+        self.size = len(self.devices)
+        self.device = self.devices[rank]
+        self._timeout = float(timeout_seconds or 0)
+        self._keys = keys
+        self._last: tf.Tensor | None = None
+
+    def _keys_for(self, members: Sequence[int]) -> tuple[int, int]:
+        group_key = self._keys.group_key([self.devices[m] for m in members])
+        return group_key, self._keys.instance_key(group_key, self.device)
+
+    def _chained(self, make_op):
+        deps = [] if self._last is None else [self._last]
+        with tf.device(self.device), tf.control_dependencies(deps):
+            out = make_op()
+        self._last = out
+        return out
+
+    def _slots_reversed(self, partner: int) -> bool:
+        """True when the runtime orders this pair opposite to rank order."""
+        lower, upper = sorted((self.rank, partner))
+        return device_sort_key(self.devices[lower]) > device_sort_key(self.devices[upper])
+
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        group_key, instance_key = self._keys_for((self.rank, partner))
+        reverse = self._slots_reversed(partner)
+
+        def op():
+            rows = tf.reverse(x, [0]) if reverse else x
+            out = tf.raw_ops.CollectiveAllToAllV2(
+                input=rows,
+                group_size=2,
+                group_key=group_key,
+                instance_key=instance_key,
+                ordering_token=[_ordering_token(self.device)],
+                timeout_seconds=self._timeout,
+            )
+            return tf.reverse(out, [0]) if reverse else out
+
+        return self._chained(op)
+
+    def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        group_key, instance_key = self._keys_for((self.rank, partner))
+        reverse = self._slots_reversed(partner)
+
+        def op():
+            out = tf.raw_ops.CollectiveGatherV2(
+                input=_carried(x),
+                group_size=2,
+                group_key=group_key,
+                instance_key=instance_key,
+                ordering_token=[_ordering_token(self.device)],
+                timeout_seconds=self._timeout,
+            )
+            out = _restored(out, x.dtype)
+            if reverse:
+                first, second = tf.split(out, 2)
+                out = tf.concat([second, first], axis=0)
+            return out
+
+        return self._chained(op)
+
+    def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
+        group_key, instance_key = self._keys_for(members)
+        return self._chained(
+            lambda: tf.raw_ops.CollectiveReduceV2(
+                input=x,
+                group_size=len(members),
+                group_key=group_key,
+                instance_key=instance_key,
+                ordering_token=[_ordering_token(self.device)],
+                merge_op="Add",
+                final_op="Id",
+                timeout_seconds=self._timeout,
+            )
+        )
+
+    def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
+        group_key, instance_key = self._keys_for((self.rank, peer))
+        sent = self._chained(
+            lambda: tf.raw_ops.CollectiveBcastSendV2(
+                input=_carried(x),
+                group_size=2,
+                group_key=group_key,
+                instance_key=instance_key,
+                timeout_seconds=self._timeout,
+            )
+        )
+        # The send's output is unused; returning x through it keeps the op alive.
+        with tf.device(self.device), tf.control_dependencies([sent]):
+            return tf.identity(x)
+
+    def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
+        group_key, instance_key = self._keys_for((self.rank, peer))
+        received = self._chained(
+            lambda: tf.raw_ops.CollectiveBcastRecvV2(
+                group_size=2,
+                group_key=group_key,
+                instance_key=instance_key,
+                shape=tf.shape(like),
+                T=_carried(like).dtype,
+                timeout_seconds=self._timeout,
+            )
+        )
+        return _restored(received, like.dtype)

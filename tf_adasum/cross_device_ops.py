@@ -1,0 +1,272 @@
+"""`AdasumCrossDeviceOps`: Adasum as a `tf.distribute.CrossDeviceOps`.
+
+Plain SUM/MEAN reductions (losses, metrics, Keras' own gradient all-reduce)
+pass untouched to a fallback; `batch_reduce_adasum` (and, for any combiner,
+`batch_reduce_combine`) run the vector-halving collective on TF collective ops.
+
+Example:
+  >>> strategy = tf.distribute.MirroredStrategy(
+  ...     ["/cpu:0", "/cpu:1"], cross_device_ops=tf_adasum.AdasumCrossDeviceOps())
+  >>> per_replica = strategy.run(lambda: tf.random.normal([10]))
+  >>> combined = strategy.extended._cross_device_ops.batch_reduce_adasum([per_replica])
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import values as values_lib
+
+from tf_adasum import combiners as combiners_lib
+from tf_adasum import ops, rvh
+from tf_adasum.comm import collective
+
+__all__ = ["AdasumCrossDeviceOps"]
+
+
+def _replica_tensors(value: Any, index: int) -> tuple[tf.Tensor, ...]:
+    """The per-replica components of one value (a tensor is one replica)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        components = value.values
+    elif isinstance(value, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
+        components = (value,)
+    else:
+        raise TypeError(
+            "Each value must be a `tf.distribute.DistributedValues` (e.g. from `strategy.run`) or a "
+            f"tensor. Received: per_replica_values[{index}] of type {type(value).__name__}"
+        )
+    return tuple(tf.convert_to_tensor(c) for c in components)
+
+
+def _check_values(per_replica_values: Sequence[Any]) -> list[tuple[tf.Tensor, ...]]:
+    """Validates the inputs of a combine; raises before any collective is issued."""
+    if not isinstance(per_replica_values, (list, tuple)):
+        raise TypeError(
+            "`per_replica_values` must be a list of per-replica values. "
+            f"Received: per_replica_values of type {type(per_replica_values).__name__}"
+        )
+    if not per_replica_values:
+        raise ValueError("`per_replica_values` must not be empty. Received: per_replica_values=[]")
+    values = [_replica_tensors(v, i) for i, v in enumerate(per_replica_values)]
+    num_replicas = len(values[0])
+    for i, components in enumerate(values):
+        if len(components) != num_replicas:
+            raise ValueError(
+                f"Every value must have one component per replica. Received: per_replica_values[0] has "
+                f"{num_replicas}, per_replica_values[{i}] has {len(components)}"
+            )
+        first = components[0]
+        ops.check_float_dtype(first.dtype, f"per_replica_values[{i}]")
+        if not first.shape.is_fully_defined():
+            raise ValueError(
+                f"Adasum needs static shapes. Received: per_replica_values[{i}] with shape {first.shape}"
+            )
+        for r, component in enumerate(components[1:], start=1):
+            if component.dtype != first.dtype:
+                raise TypeError(
+                    f"per_replica_values[{i}] has different dtypes across replicas. Received: "
+                    f"replica 0 {first.dtype.name}, replica {r} {component.dtype.name}"
+                )
+            if component.shape != first.shape:
+                raise ValueError(
+                    f"per_replica_values[{i}] has different shapes across replicas. Received: "
+                    f"replica 0 {first.shape}, replica {r} {component.shape}"
+                )
+    return values
+
+
+def _devices_of(values: list[tuple[tf.Tensor, ...]]) -> tuple[str, ...]:
+    """The device of each replica: the active strategy's replica devices, else
+    (outside any strategy) the devices the components live on."""
+    num_replicas = len(values[0])
+    if tf.distribute.has_strategy():
+        devices = tuple(tf.distribute.get_strategy().extended.worker_devices)
+    else:
+        devices = tuple(c.device for c in values[0])
+    if len(devices) != num_replicas or len(set(devices)) != num_replicas or not all(devices):
+        raise ValueError(
+            f"Each of the {num_replicas} replicas needs its own device; call this inside the strategy's "
+            f"scope or on values placed on distinct devices. Received: devices {devices}"
+        )
+    return devices
+
+
+def combine_on_devices(
+    values: list[tuple[tf.Tensor, ...]],
+    comms: Sequence[rvh.Communicator],
+    combiner: combiners_lib.Combiner,
+    bytes_per_bucket: int = 0,
+) -> list[list[tf.Tensor]]:
+    """Builds the combine of `values` over the local ranks of `comms`.
+
+    Args:
+      values: per value, one tensor per local rank (validated by `_check_values`).
+      comms: one communicator per local rank, in the order of the components.
+      combiner: the pair rule.
+      bytes_per_bucket: fusion cap (0: one bucket per dtype).
+
+    With several local ranks this must run inside a `tf.function`: eagerly, the
+    first rank's collective would wait forever for the others.
+
+    Returns:
+      Per local rank, the list of combined tensors (bitwise identical across ranks).
+    """
+    num_ranks = comms[0].size
+    shapes = [v[0].shape for v in values]
+    buckets = rvh.make_buckets([v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket)
+    outputs = [[components[local] for components in values] for local in range(len(comms))]
+    for bucket in buckets:
+        for local, comm in enumerate(comms):
+            with tf.device(comm.device):
+                flat = rvh.allreduce(comm, rvh.pack(outputs[local], bucket), bucket, combiner)
+                for i, tensor in zip(bucket.indices, rvh.unpack(flat, bucket, shapes)):
+                    outputs[local][i] = tensor
+    return outputs
+
+
+def local_communicators(devices: Sequence[str], timeout_seconds: float | None) -> list[collective.TFCollectiveCommunicator]:
+    """TF collective communicators for replicas that all live in this process."""
+    collective.register_groups(devices, rvh.groups(len(devices)))
+    return [collective.TFCollectiveCommunicator(devices, r, timeout_seconds) for r in range(len(devices))]
+
+
+def _build(values, devices, combiner, bytes_per_bucket, timeout_seconds):
+    return combine_on_devices(values, local_communicators(devices, timeout_seconds), combiner, bytes_per_bucket)
+
+
+class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """Cross-device ops that carry Adasum's vector-halving collective.
+
+    Args:
+      fallback: the `tf.distribute.CrossDeviceOps` used for plain SUM/MEAN
+        reductions, broadcasts and gathers. Default: what `MirroredStrategy`
+        would pick for the devices in use (e.g. `ReductionToOneDevice` on CPUs,
+        `NcclAllReduce` on GPUs).
+      options: a `tf.distribute.experimental.CommunicationOptions`:
+        ``bytes_per_pack`` caps the size of a fused bucket (0: one bucket per
+        dtype), ``timeout_seconds`` turns a missing peer into an error.
+    """
+
+    def __init__(
+        self,
+        fallback: tf.distribute.CrossDeviceOps | None = None,
+        options: tf.distribute.experimental.CommunicationOptions | None = None,
+    ):
+        super().__init__()
+        if fallback is not None and not isinstance(fallback, tf.distribute.CrossDeviceOps):
+            raise TypeError(
+                "`fallback` must be a `tf.distribute.CrossDeviceOps` or None. "
+                f"Received: fallback={fallback!r} of type {type(fallback).__name__}"
+            )
+        if isinstance(fallback, AdasumCrossDeviceOps):
+            raise ValueError("`fallback` must not itself be an `AdasumCrossDeviceOps`. Received: fallback={fallback!r}")
+        if options is None:
+            options = tf.distribute.experimental.CommunicationOptions()
+        if not isinstance(options, collective_util.Options):
+            raise TypeError(
+                "`options` must be a `tf.distribute.experimental.CommunicationOptions`. "
+                f"Received: options={options!r} of type {type(options).__name__}"
+            )
+        self._fallback = fallback
+        self._fallbacks: dict[tuple[str, ...], tf.distribute.CrossDeviceOps] = {}
+        self._options = options
+        self._eager_fns: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def options(self) -> tf.distribute.experimental.CommunicationOptions:
+        return self._options
+
+    # -- the Adasum path ------------------------------------------------------
+
+    def batch_reduce_adasum(self, per_replica_values: Sequence[Any], options=None) -> list[Any]:
+        """Combines each value over all replicas with Adasum.
+
+        Args:
+          per_replica_values: a list of per-replica values (e.g. outputs of
+            `strategy.run`), each float16, bfloat16, float32 or float64 with a
+            static shape, the same on every replica.
+          options: optional `CommunicationOptions` merged over the instance's.
+
+        Returns:
+          A list of mirrored values: the Adasum tree of each value over the
+          replicas (`tf_adasum.reference.adasum_tree`), bitwise identical on
+          every replica.
+        """
+        return self.batch_reduce_combine(per_replica_values, "adasum", options)
+
+    def batch_reduce_combine(self, per_replica_values: Sequence[Any], combiner="adasum", options=None) -> list[Any]:
+        """Like `batch_reduce_adasum`, with any combiner (name or object)."""
+        combiner = combiners_lib.get(combiner)
+        options = self._options.merge(options) if options is not None else self._options
+        values = _check_values(per_replica_values)
+        devices = _devices_of(values)
+        if len(devices) == 1:
+            return [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]
+        build_args = (devices, combiner, options.bytes_per_pack, options.timeout_seconds)
+        if tf.executing_eagerly():
+            outputs = self._eager_fn(*build_args)(values)
+        else:
+            outputs = _build(values, *build_args)
+        return [
+            distribute_utils.regroup(tuple(outputs[r][i] for r in range(len(devices))), wrap_class=values_lib.Mirrored)
+            for i in range(len(values))
+        ]
+
+    def _eager_fn(self, devices, combiner, bytes_per_bucket, timeout_seconds):
+        """A cached `tf.function`: eagerly, devices would wait on each other forever."""
+        key = (devices, combiner, bytes_per_bucket, timeout_seconds)
+        with self._lock:
+            if key not in self._eager_fns:
+                self._eager_fns[key] = tf.function(
+                    lambda values: _build(values, devices, combiner, bytes_per_bucket, timeout_seconds),
+                    autograph=False,
+                )
+            return self._eager_fns[key]
+
+    # -- everything else goes to the fallback ----------------------------------
+
+    def fallback_for(self, devices: Sequence[str]) -> tf.distribute.CrossDeviceOps:
+        """The cross-device ops that plain reductions on `devices` go to."""
+        if self._fallback is not None:
+            return self._fallback
+        devices = tuple(devices)
+        with self._lock:
+            if devices not in self._fallbacks:
+                self._fallbacks[devices] = cross_device_ops_lib.select_cross_device_ops(devices)
+            return self._fallbacks[devices]
+
+    def _fallback_for_value(self, value) -> tf.distribute.CrossDeviceOps:
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self.fallback_for([v.device for v in value.values])
+        return self.fallback_for(tf.distribute.get_strategy().extended.worker_devices)
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self._fallback_for_value(per_replica_value).reduce_implementation(
+            reduce_op, per_replica_value, destinations, options
+        )
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        return self._fallback_for_value(value_destination_pairs[0][0]).batch_reduce_implementation(
+            reduce_op, value_destination_pairs, options
+        )
+
+    def broadcast_implementation(self, tensor, destinations):
+        return self.fallback_for(cross_device_ops_lib.get_devices_from(destinations)).broadcast_implementation(
+            tensor, destinations
+        )
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        return self._fallback_for_value(per_replica_value)._gather_implementation(
+            per_replica_value, destinations, axis, options
+        )
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        return self.fallback_for(tf.distribute.get_strategy().extended.worker_devices)._all_reduce(
+            reduce_op, value, replica_id, options
+        )

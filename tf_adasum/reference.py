@@ -1,0 +1,190 @@
+"""The executable specification of Adasum, in numpy and float64.
+
+Every TensorFlow and MPI path in tf_adasum is tested against this module. It
+imports nothing but numpy.
+
+Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation",
+MLSys 2021) combines two updates ``a`` and ``b`` of the same tensor as::
+
+    Adasum(a, b) = (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b
+
+Orthogonal updates add up, identical updates are averaged (``Adasum(a, a) = a``).
+
+Precision: all dot products, coefficients and the scaled sums are computed in
+float64; the result is cast to the input dtype once, at the very end.
+
+References:
+  Maleki, Musuvathi, Mytkowicz, Saarikivi, Xu, Eksarevskiy, Ekanayake, Barsoum.
+  "Scaling Distributed Training with Adaptive Summation." MLSys 2021,
+  arXiv:2006.02924.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+#: A coefficient is exactly 1 when the squared norm it divides by is below this
+#: value, sqrt(DBL_MIN) ~ 1.49e-154, so ``Adasum(0, b) == b``. No epsilon is used.
+NORM_GUARD = float(np.sqrt(np.finfo(np.float64).tiny))
+
+#: The floating dtypes Adasum accepts, by name (numpy has no native bfloat16;
+#: arrays of ``ml_dtypes.bfloat16`` are accepted).
+FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+PairFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+__all__ = [
+    "NORM_GUARD",
+    "adasum_coefficients",
+    "adasum_pair",
+    "adasum_tree",
+    "mean",
+    "sum_",
+    "tree_reduce",
+    "tree_shape",
+]
+
+
+def _check_float_array(x: np.ndarray, name: str) -> None:
+    if np.dtype(x.dtype).name not in FLOAT_DTYPE_NAMES:
+        raise TypeError(
+            f"`{name}` must have a floating dtype ({', '.join(FLOAT_DTYPE_NAMES)}). "
+            f"Received: {name}.dtype={np.dtype(x.dtype).name}"
+        )
+
+
+def adasum_coefficients(dot: float, a_norm_sq: float, b_norm_sq: float) -> tuple[float, float]:
+    """Returns the two Adasum coefficients for given float64 partial sums.
+
+    Args:
+      dot: ``a.b``.
+      a_norm_sq: ``|a|^2``.
+      b_norm_sq: ``|b|^2``.
+
+    Returns:
+      ``(1 - dot / (2 |a|^2), 1 - dot / (2 |b|^2))``, where a coefficient is
+      exactly 1 when its squared norm is below `NORM_GUARD`.
+    """
+    a_coeff = 1.0 if a_norm_sq < NORM_GUARD else 1.0 - dot / (2.0 * a_norm_sq)
+    b_coeff = 1.0 if b_norm_sq < NORM_GUARD else 1.0 - dot / (2.0 * b_norm_sq)
+    return a_coeff, b_coeff
+
+
+def _adasum_pair64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a_flat, b_flat = a.ravel(), b.ravel()
+    a_coeff, b_coeff = adasum_coefficients(
+        float(np.dot(a_flat, b_flat)), float(np.dot(a_flat, a_flat)), float(np.dot(b_flat, b_flat))
+    )
+    return a_coeff * a + b_coeff * b
+
+
+def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Adasum of two arrays of the same shape and floating dtype.
+
+    Args:
+      a: the left operand.
+      b: the right operand; same shape and dtype as `a`.
+
+    Returns:
+      ``Adasum(a, b)``, computed in float64 and cast to the dtype of `a`.
+
+    Example:
+      >>> adasum_pair(np.array([1.0, 0.0]), np.array([0.0, 2.0]))
+      array([1., 2.])
+      >>> adasum_pair(np.array([3.0, 4.0]), np.array([3.0, 4.0]))
+      array([3., 4.])
+    """
+    a, b = np.asarray(a), np.asarray(b)
+    _check_float_array(a, "a")
+    _check_float_array(b, "b")
+    if a.dtype != b.dtype:
+        raise TypeError(f"`a` and `b` must have the same dtype. Received: a.dtype={a.dtype}, b.dtype={b.dtype}")
+    if a.shape != b.shape:
+        raise ValueError(f"`a` and `b` must have the same shape. Received: a.shape={a.shape}, b.shape={b.shape}")
+    return _adasum_pair64(a.astype(np.float64), b.astype(np.float64)).astype(a.dtype)
+
+
+def tree_shape(num_ranks: int) -> tuple[int, int]:
+    """Returns ``(leaves, folded_pairs)`` of the Adasum tree over `num_ranks`.
+
+    ``leaves`` is the largest power of two not above `num_ranks`; the first
+    ``2 * folded_pairs`` ranks are first combined in pairs (0, 1), (2, 3), ...
+    so that exactly ``leaves`` values enter the binary tree.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"`num_ranks` must be >= 1. Received: num_ranks={num_ranks}")
+    leaves = 1 << (num_ranks.bit_length() - 1)
+    return leaves, num_ranks - leaves
+
+
+def tree_reduce(values: Sequence[np.ndarray], pair: PairFn) -> np.ndarray:
+    """Reduces `values` (one per rank, in rank order) with `pair` as Adasum's tree.
+
+    For N = 2^p, level k pairs rank i with i XOR 2^k. Otherwise the first
+    2r ranks (r = N - 2^p) are first folded in pairs (0, 1), ..., (2r-2, 2r-1),
+    and the r results followed by ranks 2r..N-1 form the 2^p leaves.
+    Example: N=3 gives pair(pair(0, 1), 2).
+    """
+    values = list(values)
+    _, folded = tree_shape(len(values))
+    level = [pair(values[2 * i], values[2 * i + 1]) for i in range(folded)] + values[2 * folded :]
+    while len(level) > 1:
+        level = [pair(level[2 * i], level[2 * i + 1]) for i in range(len(level) // 2)]
+    return level[0]
+
+
+def _per_tensor(per_rank: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Validates `per_rank` and returns, per tensor, its values in rank order."""
+    if len(per_rank) == 0:
+        raise ValueError("`per_rank` must hold at least one rank. Received: per_rank=[]")
+    per_rank = [[np.asarray(t) for t in rank] for rank in per_rank]
+    num_tensors = len(per_rank[0])
+    for r, rank in enumerate(per_rank):
+        if len(rank) != num_tensors:
+            raise ValueError(
+                f"Every rank must hold the same number of tensors. Received: rank 0 has "
+                f"{num_tensors}, rank {r} has {len(rank)}"
+            )
+        for t, (x, x0) in enumerate(zip(rank, per_rank[0])):
+            _check_float_array(x, f"per_rank[{r}][{t}]")
+            if x.dtype != x0.dtype or x.shape != x0.shape:
+                raise ValueError(
+                    f"Tensor {t} differs across ranks. Received: rank 0 has {x0.dtype}{list(x0.shape)}, "
+                    f"rank {r} has {x.dtype}{list(x.shape)}"
+                )
+    return [[rank[t] for rank in per_rank] for t in range(num_tensors)]
+
+
+def adasum_tree(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Adasum over N ranks, tensor by tensor, in float64.
+
+    Args:
+      per_rank: ``per_rank[r]`` is the list of tensors of rank r; every rank has
+        the same number of tensors with the same shapes and dtypes.
+
+    Returns:
+      One array per tensor: the Adasum tree (see `tree_reduce`) of that tensor's
+      values over the ranks, computed in float64 and cast to its dtype once.
+    """
+    return [
+        tree_reduce([x.astype(np.float64) for x in values], _adasum_pair64).astype(values[0].dtype)
+        for values in _per_tensor(per_rank)
+    ]
+
+
+def sum_(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """The plain sum over ranks, per tensor, in float64, cast once at the end."""
+    return [
+        np.sum([x.astype(np.float64) for x in values], axis=0).astype(values[0].dtype)
+        for values in _per_tensor(per_rank)
+    ]
+
+
+def mean(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """The plain mean over ranks (sum / N), per tensor, in float64, cast once."""
+    return [
+        (np.sum([x.astype(np.float64) for x in values], axis=0) / len(values)).astype(values[0].dtype)
+        for values in _per_tensor(per_rank)
+    ]
