@@ -10,16 +10,37 @@ Public API:
 __version__ = "0.1.0"
 
 
-def _check_keras_backend() -> None:
-    import keras
+def _requested_keras_backend() -> str:
+    """The backend Keras will load, found as Keras finds it (KERAS_BACKEND, then
+    keras.json), without importing Keras, whose import fails for a backend
+    whose packages are missing."""
+    import json
+    import os
 
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if "KERAS_BACKEND" in os.environ:
+        return os.environ["KERAS_BACKEND"]
+    keras_home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(keras_home, "keras.json"), encoding="utf-8") as f:
+            return json.load(f).get("backend", "tensorflow")
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
+def _check_keras_backend() -> None:
+    def refuse(backend: str) -> None:
         raise ImportError(
             "tf_adasum needs Keras' TensorFlow backend. Received: keras.backend.backend()="
             f"{backend!r}. Set the environment variable KERAS_BACKEND=tensorflow before importing "
-            "keras, or set \"backend\": \"tensorflow\" in ~/.keras/keras.json."
+            'keras, or set "backend": "tensorflow" in ~/.keras/keras.json.'
         )
+
+    if _requested_keras_backend() != "tensorflow":
+        refuse(_requested_keras_backend())
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        refuse(keras.backend.backend())
 
 
 _check_keras_backend()

@@ -6,7 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = ("collective.py",)
@@ -16,8 +16,11 @@ def _bench(args: argparse.Namespace) -> int:
     """Runs the benchmarks of a source checkout; each prints JSON lines."""
     folder = os.path.join(_REPO, "benchmarks")
     if not os.path.isdir(folder):
-        print(f"tf-adasum bench: no benchmarks/ folder next to the package ({folder}); "
-              "run it from a source checkout (`pip install -e .`).", file=sys.stderr)
+        print(
+            f"tf-adasum bench: no benchmarks/ folder next to the package ({folder}); "
+            "run it from a source checkout (`pip install -e .`).",
+            file=sys.stderr,
+        )
         return 2
     for name in BENCHMARKS:
         code = subprocess.call([sys.executable, os.path.join(folder, name), *args.bench_args])
@@ -28,7 +31,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _not_built(what: str, issue: str):
     def run(args: argparse.Namespace) -> int:
-        print(f"tf-adasum {what}: not built yet (see the issue \"{issue}\").", file=sys.stderr)
+        print(f'tf-adasum {what}: not built yet (see the issue "{issue}").', file=sys.stderr)
         return 2
 
     return run
@@ -40,10 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmarks (JSON lines)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to each benchmark")
     bench.set_defaults(run=_bench)
-    sub.add_parser("eval", help="the scaling evaluation").set_defaults(
-        run=_not_built("eval", "The scaling evaluation"))
+    sub.add_parser("eval", help="the scaling evaluation").set_defaults(run=_not_built("eval", "The scaling evaluation"))
     sub.add_parser("launch", help="start N local workers with TF_CONFIG").set_defaults(
-        run=_not_built("launch", "Multi-worker"))
+        run=_not_built("launch", "Multi-worker")
+    )
     args = parser.parse_args(argv)
     return args.run(args)
 

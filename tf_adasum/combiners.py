@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -37,18 +38,18 @@ class Combiner:
 
     def combine(
         self,
-        a: tf.Tensor,
-        b: tf.Tensor,
+        x: tf.Tensor,
         segments: Segments,
         sum_partials: Callable[[tf.Tensor], tf.Tensor],
     ) -> tf.Tensor:
+        """Combines ``x = [a; b]`` (``[2, m]``, left subtree first); see `tf_adasum.rvh.PairRule`."""
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
         return {}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "Combiner":
+    def from_config(cls, config: dict[str, Any]) -> Combiner:
         return cls(**config)
 
     def __eq__(self, other: object) -> bool:
@@ -70,9 +71,9 @@ class Adasum(Combiner):
 
     name = "adasum"
 
-    def combine(self, a, b, segments, sum_partials):
-        c_a, c_b = ops.coefficients(sum_partials(ops.partial_dots(a, b, segments)))
-        return ops.scaled_sum(a, b, c_a, c_b, segments)
+    def combine(self, x, segments, sum_partials):
+        c_a, c_b = ops.coefficients(sum_partials(ops.partial_dots(x, segments)))
+        return ops.scaled_sum(x, c_a, c_b, segments)
 
 
 class Sum(Combiner):
@@ -80,8 +81,8 @@ class Sum(Combiner):
 
     name = "sum"
 
-    def combine(self, a, b, segments, sum_partials):
-        return a + b
+    def combine(self, x, segments, sum_partials):
+        return x[0] + x[1]
 
 
 class Mean(Sum):
@@ -112,7 +113,7 @@ def serialize(combiner: Combiner) -> dict[str, Any]:
     return {"class_name": type(combiner).__name__, "config": combiner.get_config()}
 
 
-def get(identifier: "str | dict | Combiner") -> Combiner:
+def get(identifier: str | dict | Combiner) -> Combiner:
     """Returns a combiner from a name, a serialised dict or a combiner object.
 
     Raises:

@@ -14,12 +14,12 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import collective_util, cross_device_utils, distribute_utils
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 
 from tf_adasum import combiners as combiners_lib
@@ -27,6 +27,9 @@ from tf_adasum import ops, rvh
 from tf_adasum.comm import collective
 
 __all__ = ["AdasumCrossDeviceOps"]
+
+# Group keys reserved for each default fallback's own CollectiveAllReduce.
+_FALLBACK_GROUP_KEYS = 64
 
 
 def _replica_tensors(value: Any, index: int) -> tuple[tf.Tensor, ...]:
@@ -63,9 +66,7 @@ def _check_values(per_replica_values: Sequence[Any]) -> list[tuple[tf.Tensor, ..
         first = components[0]
         ops.check_float_dtype(first.dtype, f"per_replica_values[{i}]")
         if not first.shape.is_fully_defined():
-            raise ValueError(
-                f"Adasum needs static shapes. Received: per_replica_values[{i}] with shape {first.shape}"
-            )
+            raise ValueError(f"Adasum needs static shapes. Received: per_replica_values[{i}] with shape {first.shape}")
         for r, component in enumerate(components[1:], start=1):
             if component.dtype != first.dtype:
                 raise TypeError(
@@ -80,14 +81,15 @@ def _check_values(per_replica_values: Sequence[Any]) -> list[tuple[tf.Tensor, ..
     return values
 
 
-def _devices_of(values: list[tuple[tf.Tensor, ...]]) -> tuple[str, ...]:
+def _replica_devices(components: Sequence[tf.Tensor]) -> tuple[str, ...]:
     """The device of each replica: the active strategy's replica devices, else
-    (outside any strategy) the devices the components live on."""
-    num_replicas = len(values[0])
+    (outside any strategy) the devices the components live on. (Eager tensors
+    made from host data sit on the first CPU whatever their replica.)"""
     if tf.distribute.has_strategy():
         devices = tuple(tf.distribute.get_strategy().extended.worker_devices)
     else:
-        devices = tuple(c.device for c in values[0])
+        devices = tuple(c.device for c in components)
+    num_replicas = len(components)
     if len(devices) != num_replicas or len(set(devices)) != num_replicas or not all(devices):
         raise ValueError(
             f"Each of the {num_replicas} replicas needs its own device; call this inside the strategy's "
@@ -118,7 +120,9 @@ def combine_on_devices(
     """
     num_ranks = comms[0].size
     shapes = [v[0].shape for v in values]
-    buckets = rvh.make_buckets([v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket)
+    buckets = rvh.make_buckets(
+        [v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket
+    )
     outputs = [[components[local] for components in values] for local in range(len(comms))]
     for bucket in buckets:
         for local, comm in enumerate(comms):
@@ -129,7 +133,9 @@ def combine_on_devices(
     return outputs
 
 
-def local_communicators(devices: Sequence[str], timeout_seconds: float | None) -> list[collective.TFCollectiveCommunicator]:
+def local_communicators(
+    devices: Sequence[str], timeout_seconds: float | None
+) -> list[collective.TFCollectiveCommunicator]:
     """TF collective communicators for replicas that all live in this process."""
     collective.register_groups(devices, rvh.groups(len(devices)))
     return [collective.TFCollectiveCommunicator(devices, r, timeout_seconds) for r in range(len(devices))]
@@ -145,8 +151,10 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
     Args:
       fallback: the `tf.distribute.CrossDeviceOps` used for plain SUM/MEAN
         reductions, broadcasts and gathers. Default: what `MirroredStrategy`
-        would pick for the devices in use (e.g. `ReductionToOneDevice` on CPUs,
-        `NcclAllReduce` on GPUs).
+        picks for the devices in use, a `CollectiveAllReduce` (ring on CPUs,
+        the runtime's choice, e.g. NCCL, on GPUs; `ReductionToOneDevice` for a
+        mix of CPUs and GPUs), with its own collective keys so that strategies
+        of different sizes can live in one process.
       options: a `tf.distribute.experimental.CommunicationOptions`:
         ``bytes_per_pack`` caps the size of a fused bucket (0: one bucket per
         dtype), ``timeout_seconds`` turns a missing peer into an error.
@@ -205,7 +213,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         combiner = combiners_lib.get(combiner)
         options = self._options.merge(options) if options is not None else self._options
         values = _check_values(per_replica_values)
-        devices = _devices_of(values)
+        devices = _replica_devices(values[0])
         if len(devices) == 1:
             return [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]
         build_args = (devices, combiner, options.bytes_per_pack, options.timeout_seconds)
@@ -238,13 +246,26 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         devices = tuple(devices)
         with self._lock:
             if devices not in self._fallbacks:
-                self._fallbacks[devices] = cross_device_ops_lib.select_cross_device_ops(devices)
+                self._fallbacks[devices] = self._default_fallback(devices)
             return self._fallbacks[devices]
 
+    def _default_fallback(self, devices: tuple[str, ...]) -> tf.distribute.CrossDeviceOps:
+        """As `MirroredStrategy` chooses its default (TF 2.21), with our own keys."""
+        device_types = {tf.DeviceSpec.from_string(d).device_type for d in devices}
+        if len(device_types) != 1:
+            return tf.distribute.ReductionToOneDevice()
+        implementation = tf.distribute.experimental.CommunicationImplementation.AUTO
+        if device_types == {"CPU"}:
+            implementation = tf.distribute.experimental.CommunicationImplementation.RING
+        options = tf.distribute.experimental.CommunicationOptions(implementation=implementation).merge(self._options)
+        keys = cross_device_utils.CollectiveKeys(group_key_start=collective.KEYS.reserve(_FALLBACK_GROUP_KEYS))
+        return cross_device_ops_lib.CollectiveAllReduce(
+            devices=devices, group_size=len(devices), options=options, collective_keys=keys
+        )
+
     def _fallback_for_value(self, value) -> tf.distribute.CrossDeviceOps:
-        if isinstance(value, tf.distribute.DistributedValues):
-            return self.fallback_for([v.device for v in value.values])
-        return self.fallback_for(tf.distribute.get_strategy().extended.worker_devices)
+        components = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
+        return self.fallback_for(_replica_devices(components))
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         return self._fallback_for_value(per_replica_value).reduce_implementation(

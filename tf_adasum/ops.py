@@ -1,8 +1,10 @@
 """TensorFlow math of Adasum: float64 partial dots, coefficients, scaled sums.
 
-These functions work on flat (1-D) slices of fused buffers. A slice may hold
-pieces of several tensors; `Segments` says which tensor each element belongs
-to, so that every dot product stays per tensor.
+These functions work on slices of fused buffers, given as ``[2, m]`` tensors
+(row 0 the left operand ``a``, row 1 the right operand ``b``). A slice may
+hold pieces of several tensors, in whole blocks of `BLOCK` elements;
+`Segments` says which tensor each block belongs to, so that every dot product
+stays per tensor.
 
 Precision: whatever the input dtype (float16, bfloat16, float32, float64),
 elements are cast to float64 before they are multiplied, partial sums are
@@ -24,6 +26,7 @@ from tf_adasum.reference import NORM_GUARD
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 __all__ = [
+    "BLOCK",
     "FLOAT_DTYPES",
     "Segments",
     "adasum_pair",
@@ -43,13 +46,23 @@ def check_float_dtype(dtype: tf.DType, name: str) -> None:
         )
 
 
+#: Fused buffers are laid out in blocks of this many elements; a block never
+#: holds two tensors, so per-tensor sums are a regular reduction over each
+#: block followed by a small sum over the blocks of each tensor.
+BLOCK = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """Which tensors a flat slice holds: tensor ``first + i`` has ``counts[i]`` elements.
+    """Which tensors a slice of a fused buffer holds, block by block.
+
+    Tensor ``first + i`` owns ``counts[i]`` consecutive blocks of `BLOCK`
+    elements. A count of -1 (see `single`) means the whole slice, of any
+    length, belongs to tensor `first`.
 
     Attributes:
       first: the index (within its bucket) of the first tensor in the slice.
-      counts: the number of elements of each consecutive tensor in the slice.
+      counts: the number of blocks of each consecutive tensor in the slice.
       num_tensors: the number of tensors in the whole bucket; partial sums are
         returned for all of them (zeros for tensors outside the slice) so that
         ranks holding different slices can sum them elementwise.
@@ -60,43 +73,66 @@ class Segments:
     num_tensors: int
 
     @classmethod
-    def single(cls, index: int = 0, num_tensors: int = 1) -> "Segments":
-        """A slice that lies entirely inside tensor `index` (its length need not be static)."""
+    def single(cls, index: int = 0, num_tensors: int = 1) -> Segments:
+        """A slice that lies entirely inside tensor `index`."""
         return cls(first=index, counts=(-1,), num_tensors=num_tensors)
 
-    def _ids(self) -> tf.Tensor:
+    def block_ids(self, num_blocks: tf.Tensor | int) -> tf.Tensor:
+        """The tensor index of each of the slice's `num_blocks` blocks (int32)."""
+        if self.counts == (-1,):
+            return tf.fill([num_blocks], self.first)
         return tf.repeat(tf.range(self.first, self.first + len(self.counts)), self.counts)
 
-    def expand(self, per_tensor: tf.Tensor) -> tf.Tensor:
-        """Broadcasts a per-tensor vector ``[num_tensors]`` to the slice's elements."""
-        if len(self.counts) == 1:
-            return per_tensor[self.first]
-        return tf.repeat(per_tensor[self.first : self.first + len(self.counts)], self.counts)
 
-    def sum(self, x: tf.Tensor) -> tf.Tensor:
-        """Sums a float64 vector of the slice's length per tensor; returns ``[num_tensors]``."""
-        if len(self.counts) == 1:
-            total = tf.reduce_sum(x)[tf.newaxis]
-            return tf.pad(total, [[self.first, self.num_tensors - self.first - 1]])
-        return tf.math.unsorted_segment_sum(x, self._ids(), self.num_tensors)
+#: Slices of at least this many elements run the two float64 kernels below
+#: XLA-compiled: fused, they read the input once and materialise no float64
+#: copy (3-4x faster on large buffers). Smaller slices run them as plain ops,
+#: which costs no compilation.
+XLA_MIN_ELEMENTS = 1 << 16
 
 
-def partial_dots(a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor:
+def _blocks(x: tf.Tensor) -> tf.Tensor:
+    """``[2, m]`` (m a multiple of `BLOCK`) as float64 ``[2, m / BLOCK, BLOCK]``."""
+    return tf.reshape(tf.cast(x, tf.float64), [2, -1, BLOCK])
+
+
+def _partial_dots_kernel(x: tf.Tensor, block_ids: tf.Tensor, num_tensors: int) -> tf.Tensor:
+    x64 = _blocks(x)
+    a, b = x64[0], x64[1]
+    per_block = tf.stack(
+        [tf.reduce_sum(a * b, axis=1), tf.reduce_sum(a * a, axis=1), tf.reduce_sum(b * b, axis=1)], axis=1
+    )
+    return tf.math.unsorted_segment_sum(per_block, block_ids, num_tensors)
+
+
+def _scaled_sum_kernel(x: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, block_ids: tf.Tensor) -> tf.Tensor:
+    x64 = _blocks(x)
+    out = tf.gather(c_a, block_ids)[:, tf.newaxis] * x64[0] + tf.gather(c_b, block_ids)[:, tf.newaxis] * x64[1]
+    return tf.cast(tf.reshape(out, [-1]), x.dtype)
+
+
+_xla_partial_dots = tf.function(_partial_dots_kernel, jit_compile=True, autograph=False)
+_xla_scaled_sum = tf.function(_scaled_sum_kernel, jit_compile=True, autograph=False)
+
+
+def _use_xla(x: tf.Tensor) -> bool:
+    return x.shape[1] is not None and x.shape[1] >= XLA_MIN_ELEMENTS
+
+
+def partial_dots(x: tf.Tensor, segments: Segments) -> tf.Tensor:
     """Per-tensor partial sums ``[a.b, |a|^2, |b|^2]`` over a slice, in float64.
 
     Args:
-      a: flat slice of the left operand (any accepted float dtype).
-      b: flat slice of the right operand, same dtype and length.
+      x: ``[2, m]``: row 0 is the slice of the left operand ``a``, row 1 of the
+        right operand ``b`` (any accepted float dtype; m a multiple of `BLOCK`).
       segments: the tensors the slice holds.
 
     Returns:
       A float64 tensor of shape ``[num_tensors, 3]``.
     """
-    a64 = tf.cast(a, tf.float64)
-    b64 = tf.cast(b, tf.float64)
-    return tf.stack(
-        [segments.sum(a64 * b64), segments.sum(a64 * a64), segments.sum(b64 * b64)], axis=1
-    )
+    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
+    kernel = _xla_partial_dots if _use_xla(x) else _partial_dots_kernel
+    return kernel(x, block_ids, segments.num_tensors)
 
 
 def coefficients(partials: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -113,12 +149,12 @@ def coefficients(partials: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return c_a, c_b
 
 
-def scaled_sum(
-    a: tf.Tensor, b: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, segments: Segments
-) -> tf.Tensor:
-    """``c_a * a + c_b * b`` per tensor, computed in float64, cast to ``a.dtype``."""
-    out = segments.expand(c_a) * tf.cast(a, tf.float64) + segments.expand(c_b) * tf.cast(b, tf.float64)
-    return tf.cast(out, a.dtype)
+def scaled_sum(x: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, segments: Segments) -> tf.Tensor:
+    """``c_a * a + c_b * b`` per tensor for ``x = [a; b]`` (``[2, m]``), computed in
+    float64 and cast to ``x.dtype``; returns ``[m]``."""
+    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
+    kernel = _xla_scaled_sum if _use_xla(x) else _scaled_sum_kernel
+    return kernel(x, c_a, c_b, block_ids)
 
 
 def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -138,6 +174,10 @@ def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     Raises:
       TypeError: a non-float dtype, or `a` and `b` of different dtypes.
       ValueError: `a` and `b` of different shapes.
+
+    Example:
+      >>> tf_adasum.adasum_pair(tf.constant([1.0, 0.0]), tf.constant([0.0, 2.0]))
+      <tf.Tensor: shape=(2,), dtype=float32, numpy=array([1., 2.], dtype=float32)>
     """
     a = tf.convert_to_tensor(a)
     b = tf.convert_to_tensor(b)
@@ -149,8 +189,9 @@ def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
         )
     if not a.shape.is_compatible_with(b.shape):
         raise ValueError(f"`a` and `b` must have the same shape. Received: a.shape={a.shape}, b.shape={b.shape}")
-    a_flat = tf.reshape(a, [-1])
-    b_flat = tf.reshape(b, [-1])
+    size = tf.size(a)
+    x = tf.stack([tf.reshape(a, [-1]), tf.reshape(b, [-1])])
+    x = tf.pad(x, [[0, 0], [0, -size % BLOCK]])  # zeros add nothing to the dots
     segments = Segments.single()
-    c_a, c_b = coefficients(partial_dots(a_flat, b_flat, segments))
-    return tf.reshape(scaled_sum(a_flat, b_flat, c_a, c_b, segments), tf.shape(a))
+    c_a, c_b = coefficients(partial_dots(x, segments))
+    return tf.reshape(scaled_sum(x, c_a, c_b, segments)[:size], tf.shape(a))

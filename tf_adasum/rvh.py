@@ -24,11 +24,12 @@ others, so every rank ends with a bitwise identical buffer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import tensorflow as tf
 
-from tf_adasum.ops import Segments
+from tf_adasum.ops import BLOCK, Segments
 from tf_adasum.reference import tree_shape
 
 __all__ = ["Bucket", "Communicator", "PairRule", "allreduce", "groups", "make_buckets", "pack", "unpack"]
@@ -71,12 +72,12 @@ class PairRule(Protocol):
 
     def combine(
         self,
-        a: tf.Tensor,
-        b: tf.Tensor,
+        x: tf.Tensor,
         segments: Segments,
         sum_partials: Callable[[tf.Tensor], tf.Tensor],
     ) -> tf.Tensor:
-        """Combines flat slices `a` (left subtree) and `b` (right subtree).
+        """Combines ``x = [a; b]`` (``[2, m]``): a slice of the left subtree's
+        value ``a`` and the same slice of the right subtree's ``b``; returns ``[m]``.
 
         `sum_partials` sums float64 per-tensor partials over all ranks holding
         a slice of these two subtrees, so a rule may compute whole-tensor dot
@@ -86,31 +87,46 @@ class PairRule(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Tensors of one dtype fused into one flat buffer.
+    """Tensors of one dtype fused into one flat buffer, in blocks of `BLOCK`.
+
+    Each tensor starts on a block boundary and owns whole blocks (zero-padded),
+    so every slice the halving makes holds whole blocks of single tensors.
 
     Attributes:
       dtype: the common dtype.
       indices: positions of the fused tensors in the caller's list.
       sizes: their element counts (all > 0), in order.
-      padded_length: the buffer length, a multiple of the tree's leaf count so
-        that every halving is exact; padding zeros belong to the last tensor
-        (they add nothing to its dot products and are dropped at the end).
+      blocks: the number of blocks of each tensor.
+      total_blocks: the buffer's block count, a multiple of the tree's leaf
+        count so that every halving is exact; the extra blocks belong to the
+        last tensor. Padding zeros add nothing to dot products and are dropped.
     """
 
     dtype: tf.DType
     indices: tuple[int, ...]
     sizes: tuple[int, ...]
-    padded_length: int
+    blocks: tuple[int, ...]
+    total_blocks: int
+
+    @property
+    def padded_length(self) -> int:
+        return self.total_blocks * BLOCK
+
+    def starts(self) -> list[int]:
+        """The first element of each tensor in the buffer."""
+        starts, block = [], 0
+        for count in self.blocks:
+            starts.append(block * BLOCK)
+            block += count
+        return starts
 
     def segments(self, lo: int, hi: int) -> Segments:
-        """The tensors that the slice ``[lo, hi)`` of the buffer holds."""
-        counts = []
-        first = None
-        start = 0
-        last = len(self.sizes) - 1
-        for t, size in enumerate(self.sizes):
-            end = self.padded_length if t == last else start + size
-            overlap = min(hi, end) - max(lo, start)
+        """The tensors that the slice ``[lo, hi)`` (whole blocks) of the buffer holds."""
+        lo_block, hi_block = lo // BLOCK, hi // BLOCK
+        counts, first, start = [], None, 0
+        for t, count in enumerate(self.blocks):
+            end = self.total_blocks if t == len(self.blocks) - 1 else start + count
+            overlap = min(hi_block, end) - max(lo_block, start)
             if overlap > 0:
                 first = t if first is None else first
                 counts.append(overlap)
@@ -141,28 +157,32 @@ def make_buckets(
     closed.sort(key=lambda members: members[0])
     buckets = []
     for members in closed:
-        total = sum(sizes[i] for i in members)
-        padded = -(-total // leaves) * leaves
-        buckets.append(Bucket(dtypes[members[0]], tuple(members), tuple(sizes[i] for i in members), padded))
+        blocks = tuple(-(-sizes[i] // BLOCK) for i in members)
+        total_blocks = -(-sum(blocks) // leaves) * leaves
+        buckets.append(
+            Bucket(dtypes[members[0]], tuple(members), tuple(sizes[i] for i in members), blocks, total_blocks)
+        )
     return buckets
 
 
 def pack(tensors: Sequence[tf.Tensor], bucket: Bucket) -> tf.Tensor:
-    """The flat, padded buffer of `bucket`'s tensors taken from `tensors`."""
-    parts = [tf.reshape(tensors[i], [-1]) for i in bucket.indices]
-    padding = bucket.padded_length - sum(bucket.sizes)
-    if padding:
-        parts.append(tf.zeros([padding], bucket.dtype))
+    """The flat, block-padded buffer of `bucket`'s tensors taken from `tensors`."""
+    parts = []
+    for i, size, blocks in zip(bucket.indices, bucket.sizes, bucket.blocks):
+        flat = tf.reshape(tensors[i], [-1])
+        parts.append(tf.pad(flat, [[0, blocks * BLOCK - size]]) if blocks * BLOCK != size else flat)
+    tail = bucket.total_blocks - sum(bucket.blocks)
+    if tail:
+        parts.append(tf.zeros([tail * BLOCK], bucket.dtype))
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
 
 
 def unpack(flat: tf.Tensor, bucket: Bucket, shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
     """Splits a bucket's buffer back into its tensors (in `bucket.indices` order)."""
-    total = sum(bucket.sizes)
-    if total != bucket.padded_length:
-        flat = flat[:total]
-    parts = tf.split(flat, list(bucket.sizes)) if len(bucket.sizes) > 1 else [flat]
-    return [tf.reshape(part, shapes[i]) for part, i in zip(parts, bucket.indices)]
+    return [
+        tf.reshape(flat[start : start + size], shapes[i])
+        for i, size, start in zip(bucket.indices, bucket.sizes, bucket.starts())
+    ]
 
 
 def _real_rank(virtual: int, folded: int) -> int:
@@ -214,8 +234,8 @@ def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRul
         if rank % 2:
             sent = comm.send(flat, rank - 1)
             return comm.recv(rank - 1, like=sent)
-        partner_flat = comm.recv(rank + 1, like=flat)
-        flat = rule.combine(flat, partner_flat, bucket.segments(0, bucket.padded_length), _local_sum)
+        pair = tf.stack([flat, comm.recv(rank + 1, like=flat)])
+        flat = rule.combine(pair, bucket.segments(0, bucket.padded_length), _local_sum)
         virtual = rank // 2
     else:
         virtual = rank - folded
@@ -232,8 +252,7 @@ def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRul
         block_start = virtual & ~(2 * bit - 1)
         block = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
         flat = rule.combine(
-            swapped[0],
-            swapped[1],
+            swapped,
             bucket.segments(lo, lo + length),
             lambda partials, block=block: comm.sum_float64(partials, block),
         )

@@ -17,7 +17,7 @@ in program order on every device.
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import tensorflow as tf
 
@@ -60,6 +60,13 @@ class CollectiveKeys:
                 self._group_keys[members] = self._next_group_key
                 self._next_group_key += 1
             return self._group_keys[members]
+
+    def reserve(self, count: int) -> int:
+        """Reserves `count` consecutive group keys (for another allocator); returns the first."""
+        with self._lock:
+            start = self._next_group_key
+            self._next_group_key += count
+            return start
 
     def instance_key(self, group_key: int, device: str) -> int:
         """The next instance key of `device` in group `group_key`."""
@@ -166,6 +173,7 @@ class TFCollectiveCommunicator:
                 ordering_token=[_ordering_token(self.device)],
                 timeout_seconds=self._timeout,
             )
+            out.set_shape(x.shape)
             return tf.reverse(out, [0]) if reverse else out
 
         return self._chained(op)
@@ -184,6 +192,7 @@ class TFCollectiveCommunicator:
                 timeout_seconds=self._timeout,
             )
             out = _restored(out, x.dtype)
+            out.set_shape([None if x.shape[0] is None else 2 * x.shape[0]])
             if reverse:
                 first, second = tf.split(out, 2)
                 out = tf.concat([second, first], axis=0)
@@ -193,7 +202,7 @@ class TFCollectiveCommunicator:
 
     def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
         group_key, instance_key = self._keys_for(members)
-        return self._chained(
+        summed = self._chained(
             lambda: tf.raw_ops.CollectiveReduceV2(
                 input=x,
                 group_size=len(members),
@@ -205,6 +214,8 @@ class TFCollectiveCommunicator:
                 timeout_seconds=self._timeout,
             )
         )
+        summed.set_shape(x.shape)
+        return summed
 
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
         group_key, instance_key = self._keys_for((self.rank, peer))
@@ -233,4 +244,5 @@ class TFCollectiveCommunicator:
                 timeout_seconds=self._timeout,
             )
         )
+        received.set_shape(like.shape)
         return _restored(received, like.dtype)

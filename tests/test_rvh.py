@@ -1,0 +1,131 @@
+"""The vector-halving driver: bucket layout, rank groups, and bytes on the wire."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import TEST_TIMEOUT_SECONDS, TOLERANCE, relative_error
+
+from tf_adasum import combiners, reference, rvh
+from tf_adasum.cross_device_ops import combine_on_devices, local_communicators
+from tf_adasum.ops import BLOCK, Segments
+
+B = BLOCK
+
+
+def test_segments_of_a_slice_straddling_tensors():
+    # Tensors of 3, 5 and 2 blocks; 12 blocks in all (the last tensor owns the padding).
+    bucket = rvh.Bucket(tf.float32, indices=(0, 1, 2), sizes=(3 * B, 5 * B - 7, 1), blocks=(3, 5, 1), total_blocks=12)
+    assert bucket.padded_length == 12 * B
+    assert bucket.starts() == [0, 3 * B, 8 * B]
+    assert bucket.segments(0, 12 * B) == Segments(0, (3, 5, 4), 3)
+    assert bucket.segments(0, 6 * B) == Segments(0, (3, 3), 3)
+    assert bucket.segments(6 * B, 12 * B) == Segments(1, (2, 4), 3)
+    assert bucket.segments(3 * B, 6 * B) == Segments(1, (3,), 3)
+    assert bucket.segments(9 * B, 12 * B) == Segments(2, (3,), 3)
+    assert bucket.segments(10 * B, 11 * B) == Segments(2, (1,), 3)
+
+
+def test_make_buckets_groups_by_dtype_and_pads_to_the_leaf_count():
+    dtypes = [tf.float32, tf.float64, tf.float32, tf.float16]
+    buckets = rvh.make_buckets(dtypes, [3, 4, 2 * B + 1, 5], num_ranks=6)  # 4 leaves
+    assert [(b.dtype, b.indices, b.sizes, b.blocks, b.total_blocks) for b in buckets] == [
+        (tf.float32, (0, 2), (3, 2 * B + 1), (1, 3), 4),
+        (tf.float64, (1,), (4,), (1,), 4),
+        (tf.float16, (3,), (5,), (1,), 4),
+    ]
+
+
+def test_make_buckets_caps_bytes_and_skips_empty_tensors():
+    buckets = rvh.make_buckets([tf.float32] * 5, [4, 4, 0, 10, 1], num_ranks=2, bytes_per_bucket=32)
+    assert [b.indices for b in buckets] == [(0, 1), (3,), (4,)]  # a larger tensor gets its own bucket
+    assert all(b.total_blocks % 2 == 0 for b in buckets)
+
+
+def test_pack_and_unpack_round_trip():
+    tensors = [tf.reshape(tf.range(6, dtype=tf.float32), [2, 3]), tf.constant([7.0]), tf.range(B + 2, dtype=tf.float32)]
+    (bucket,) = rvh.make_buckets([t.dtype for t in tensors], [6, 1, B + 2], num_ranks=4)
+    flat = rvh.pack(tensors, bucket)
+    assert flat.shape == [4 * B]
+    np.testing.assert_array_equal(flat[:B].numpy(), np.r_[np.arange(6), np.zeros(B - 6)])
+    out = rvh.unpack(flat, bucket, [t.shape for t in tensors])
+    for a, b in zip(out, tensors):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_groups_power_of_two():
+    assert rvh.groups(4) == [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
+
+
+def test_groups_with_fold():
+    # N = 6: pairs (0,1), (2,3) fold; leaves are ranks 0, 2, 4, 5.
+    assert rvh.groups(6) == [(0, 1), (2, 3), (0, 2), (4, 5), (0, 4), (2, 5), (0, 2, 4, 5)]
+    assert rvh.groups(1) == []
+
+
+class CountingCommunicator:
+    """Wraps a communicator and counts what this rank puts on the wire."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank, self.size, self.device = inner.rank, inner.size, inner.device
+        self.payload_bytes = 0
+        self.full_sends = 0
+        self.sums = []
+
+    def swap_halves(self, x, partner):
+        self.payload_bytes += x.shape[1] * x.dtype.size  # one of the two rows leaves
+        return self.inner.swap_halves(x, partner)
+
+    def gather_pair(self, x, partner):
+        self.payload_bytes += x.shape.num_elements() * x.dtype.size
+        return self.inner.gather_pair(x, partner)
+
+    def sum_float64(self, x, members):
+        self.sums.append((tuple(x.shape), x.dtype, members))
+        return self.inner.sum_float64(x, members)
+
+    def send(self, x, peer):
+        self.full_sends += 1
+        return self.inner.send(x, peer)
+
+    def recv(self, peer, like):
+        return self.inner.recv(peer, like)
+
+
+def _run_counting(n, sizes, rng):
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
+    comms = [CountingCommunicator(c) for c in local_communicators(devices, TEST_TIMEOUT_SECONDS)]
+
+    @tf.function(autograph=False)
+    def run():
+        values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
+        return combine_on_devices(values, comms, combiners.Adasum())
+
+    out = run()
+    expected = reference.adasum_tree(per_rank)
+    for t in range(len(sizes)):
+        assert relative_error(out[0][t].numpy(), expected[t]) <= TOLERANCE["float32"]
+    return comms
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_bytes_sent_equal_a_ring_all_reduce(n, rng):
+    sizes = [1000, 24, 3]  # each padded to whole blocks, the buffer to a multiple of n blocks
+    comms = _run_counting(n, sizes, rng)
+    blocks = sum(-(-size // BLOCK) for size in sizes)
+    padded_bytes = (-(-blocks // n) * n) * BLOCK * 4
+    levels = n.bit_length() - 1
+    for comm in comms:
+        assert comm.payload_bytes == 2 * (n - 1) * padded_bytes // n
+        assert comm.full_sends == 0
+        assert len(comm.sums) == levels
+        assert all(shape == (len(sizes), 3) and dtype == tf.float64 for shape, dtype, _ in comm.sums)
+
+
+def test_fold_adds_one_full_buffer_each_way(rng):
+    comms = _run_counting(3, [50], rng)  # rank 1 folds into rank 0; ranks 0 and 2 form the tree
+    assert comms[1].full_sends == 1 and comms[1].payload_bytes == 0 and comms[1].sums == []
+    # The tree of 2 leaves: a 2-block buffer; each rank swaps 1 block and gathers 1 block.
+    assert comms[0].full_sends == 1 and comms[0].payload_bytes == comms[2].payload_bytes == 2 * BLOCK * 4
+    assert comms[2].full_sends == 0
