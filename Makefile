@@ -22,7 +22,7 @@ test-quick: install
 	$(PY) -m pytest -m "not slow"
 
 lint: install
-	$(VENV)/bin/ruff check tf_adasum tests benchmarks examples
+	$(VENV)/bin/ruff check $(wildcard tf_adasum tests benchmarks examples)
 
 eval: install
 	$(VENV)/bin/tf-adasum eval

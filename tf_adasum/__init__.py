@@ -4,6 +4,7 @@ Public API:
   reference              the numpy/float64 oracle (`adasum_pair`, `adasum_tree`, ...)
   adasum_pair            Adasum of two tensors, as a TF op
   AdasumCrossDeviceOps   a `tf.distribute.CrossDeviceOps` carrying the collective
+  AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
   combiners              combiner objects ("adasum", "sum", "mean")
 """
 
@@ -48,9 +49,11 @@ _check_keras_backend()
 from tf_adasum import combiners, reference  # noqa: E402
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps  # noqa: E402
 from tf_adasum.ops import adasum_pair  # noqa: E402
+from tf_adasum.optimizer import AdasumOptimizer  # noqa: E402
 
 __all__ = [
     "AdasumCrossDeviceOps",
+    "AdasumOptimizer",
     "__version__",
     "adasum_pair",
     "combiners",
