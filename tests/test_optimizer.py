@@ -1,11 +1,11 @@
 """AdasumOptimizer against a numpy simulation of the step (DESIGN.md section 2)."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
 
-import keras
 import tf_adasum
 from tf_adasum import reference
 

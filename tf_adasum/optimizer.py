@@ -115,7 +115,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             )
         if backward_passes_per_step < 1:
             raise ValueError(
-                f"`backward_passes_per_step` must be >= 1. Received: backward_passes_per_step={backward_passes_per_step}"
+                "`backward_passes_per_step` must be >= 1. "
+                f"Received: backward_passes_per_step={backward_passes_per_step}"
             )
         if not isinstance(hierarchical, bool):
             raise TypeError(f"`hierarchical` must be a bool. Received: hierarchical={hierarchical!r}")
