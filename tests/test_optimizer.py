@@ -5,100 +5,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
+from simulation import BATCH, IN, OUT, SGD, Adam, simulate
+from simulation import data as _data
 
 import tf_adasum
 from tf_adasum import reference
-
-IN, OUT, BATCH = 4, 3, 12
-
-
-# -- the numpy simulation ------------------------------------------------------------
-
-
-class SGD:
-    def __init__(self, lr=0.1, momentum=0.9):
-        self.lr, self.momentum = lr, momentum
-
-    def init(self, weights):
-        return [np.zeros_like(w) for w in weights]
-
-    def delta(self, grads, state, iteration):
-        state = [self.momentum * m - self.lr * g for m, g in zip(state, grads)]
-        return list(state), state
-
-    def keras(self):
-        return keras.optimizers.SGD(self.lr, momentum=self.momentum)
-
-
-class Adam:
-    def __init__(self, lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        self.lr, self.b1, self.b2, self.eps = lr, beta_1, beta_2, epsilon
-
-    def init(self, weights):
-        return [(np.zeros_like(w), np.zeros_like(w)) for w in weights]
-
-    def delta(self, grads, state, iteration):
-        t = iteration + 1
-        alpha = self.lr * np.sqrt(1 - self.b2**t) / (1 - self.b1**t)
-        new_state, deltas = [], []
-        for g, (m, v) in zip(grads, state):
-            m = m + (g - m) * (1 - self.b1)
-            v = v + (g * g - v) * (1 - self.b2)
-            new_state.append((m, v))
-            deltas.append(-(m * alpha) / (np.sqrt(v) + self.eps))
-        return deltas, new_state
-
-    def keras(self):
-        return keras.optimizers.Adam(self.lr, beta_1=self.b1, beta_2=self.b2, epsilon=self.eps)
-
-
-def _grads(weights, x, y):
-    """MSE gradients of a Dense layer (mean over the shard and the outputs)."""
-    kernel, bias = weights
-    err = x @ kernel + bias - y
-    scale = 2.0 / (len(x) * OUT)
-    return [scale * x.T @ err, scale * err.sum(0)]
-
-
-def simulate(weights, x, y, n, steps, inner, combine, mode="delta", k=1):
-    """Weights after `steps` batches of BATCH rows, replica r taking rows r*b:(r+1)*b."""
-    b = BATCH // n
-    weights = [w.astype(np.float64) for w in weights]
-    states = [inner.init(weights) for _ in range(n)]
-    shared_state = inner.init(weights)
-    iteration = 0
-
-    def shard(step, r):
-        rows = slice(step * BATCH + r * b, step * BATCH + (r + 1) * b)
-        return x[rows].astype(np.float64), y[rows].astype(np.float64)
-
-    for first in range(0, steps, k):
-        if mode == "delta":
-            local = [list(weights) for _ in range(n)]
-            for step in range(first, first + k):
-                for r in range(n):
-                    deltas, states[r] = inner.delta(_grads(local[r], *shard(step, r)), states[r], iteration)
-                    local[r] = [w + d for w, d in zip(local[r], deltas)]
-                iteration += 1
-            combined = combine([[lw - w for lw, w in zip(local[r], weights)] for r in range(n)])
-            weights = [w + c for w, c in zip(weights, combined)]
-        else:
-            per_replica = []
-            for r in range(n):
-                grads = [_grads(weights, *shard(step, r)) for step in range(first, first + k)]
-                per_replica.append([sum(g[i] for g in grads) / k for i in range(2)])
-            deltas, shared_state = inner.delta(combine(per_replica), shared_state, iteration)
-            weights = [w + d for w, d in zip(weights, deltas)]
-            iteration += 1
-    return weights
-
-
-def _data(steps, seed=0):
-    rng = np.random.default_rng(seed)
-    return (
-        rng.standard_normal((steps * BATCH, IN)).astype(np.float32),
-        rng.standard_normal((steps * BATCH, OUT)).astype(np.float32),
-    )
 
 
 def _model():

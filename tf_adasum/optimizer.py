@@ -349,14 +349,22 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self._update_ema(self._trainable_variables)
 
     def _update_ema(self, trainable_variables):
+        """EMA of the combined weights, after each combine, as Keras does after each step.
+
+        The averages start at zero; the first combine copies the weights.
+        """
         if not self.use_ema:
             return
-        self._update_model_variables_moving_average(self._trainable_variables)
+        local_steps_per_combine = self.backward_passes_per_step if self.mode == "delta" else 1
+        first = self.iterations <= local_steps_per_combine
+        for variable, average in zip(trainable_variables, self._model_variables_moving_average):
+            momentum = tf.where(first, tf.zeros([], variable.dtype), tf.cast(self.ema_momentum, variable.dtype))
+            average.assign(momentum * average + (1 - momentum) * variable)
         if self.ema_overwrite_frequency:
             overwrite = tf.equal(self.iterations % self.ema_overwrite_frequency, 0)
 
             def do_overwrite():
-                self._overwrite_model_variables_with_average_value(self._trainable_variables)
+                self._overwrite_model_variables_with_average_value(trainable_variables)
                 return tf.constant(True)
 
             tf.cond(overwrite, do_overwrite, lambda: tf.constant(False))

@@ -1,0 +1,330 @@
+"""AdasumOptimizer with what Keras optimizer users rely on: schedules, clipping,
+weight decay, embeddings, EMA, mixed precision, serialisation, checkpoints."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import mirrored
+from simulation import BATCH, IN, OUT, SGD, Adam, data, simulate
+
+import tf_adasum
+from tf_adasum import combiners, reference
+
+
+def _model(seed=7):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+
+
+def _replica_values(strategy, variable):
+    return [v.numpy() for v in strategy.experimental_local_results(variable)]
+
+
+def _assert_identical(strategy, variables):
+    for variable in variables:
+        values = _replica_values(strategy, variable)
+        for value in values[1:]:
+            assert value.tobytes() == values[0].tobytes(), variable.name
+
+
+def _fit(n, optimizer_fn, x, y, model_fn=_model, **fit_kwargs):
+    strategy = mirrored(n)[0]
+    with strategy.scope():
+        model = model_fn()
+        initial = [w.numpy() for w in model.weights]
+        model.compile(optimizer=optimizer_fn(), loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, **fit_kwargs)
+    _assert_identical(strategy, model.weights)
+    return strategy, model, initial
+
+
+def _check_against_simulation(inner, n=2, steps=3, **kwargs):
+    x, y = data(steps)
+    _, model, initial = _fit(n, lambda: tf_adasum.AdasumOptimizer(inner.keras(), **kwargs), x, y)
+    expected = simulate(initial, x, y, n, steps, inner, reference.adasum_tree)
+    for got, want in zip(model.weights, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5)
+    _check_against_simulation(SGD(lr=lambda i: 0.2 * 0.5**i, keras_lr=schedule))
+
+
+def test_clipnorm_applies_to_the_local_gradient():
+    _check_against_simulation(SGD(clipnorm=0.05))
+
+
+def test_weight_decay_adamw():
+    _check_against_simulation(Adam(weight_decay=0.1), n=3)
+
+
+def test_learning_rate_and_iterations_are_forwarded():
+    inner = keras.optimizers.SGD(0.25)
+    optimizer = tf_adasum.AdasumOptimizer(inner)
+    assert float(optimizer.learning_rate) == 0.25
+    optimizer.learning_rate = 0.5
+    assert float(inner.learning_rate) == 0.5
+    assert optimizer.iterations is inner.iterations
+
+
+def test_embeddings_with_indexed_slices_gradients():
+    # Gradient mode with the mean combiner is plain gradient averaging: it must
+    # equal Keras' own SGD under the same strategy, through IndexedSlices too.
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 20, size=(2 * BATCH, 5))
+    y = rng.standard_normal((2 * BATCH, 1)).astype(np.float32)
+
+    def model_fn():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(20, 4),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1),
+            ]
+        )
+
+    _, ours, _ = _fit(
+        2,
+        lambda: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), combiner="mean", mode="gradient"),
+        x,
+        y,
+        model_fn,
+    )
+    _, native, _ = _fit(2, lambda: keras.optimizers.SGD(0.1), x, y, model_fn)
+    for a, b in zip(ours.weights, native.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_ema_averages_the_combined_weights():
+    inner, steps, momentum = SGD(), 3, 0.5
+    x, y = data(steps)
+    strategy, model, initial = _fit(
+        2, lambda: tf_adasum.AdasumOptimizer(inner.keras(), use_ema=True, ema_momentum=momentum), x, y
+    )
+    average = None
+    for step in range(1, steps + 1):
+        weights = simulate(initial, x, y, 2, step, inner, reference.adasum_tree)
+        average = weights if average is None else [momentum * a + (1 - momentum) * w for a, w in zip(average, weights)]
+    averages = model.optimizer._model_variables_moving_average
+    _assert_identical(strategy, averages)
+    for got, want in zip(averages, average):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+class _DenseWithUnusedWeight(keras.layers.Layer):
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(IN, OUT), name="kernel")
+        self.unused = self.add_weight(shape=(2,), name="unused", initializer="ones")
+
+    def call(self, inputs):
+        return inputs @ self.kernel
+
+
+def test_variables_without_gradients_are_left_alone():
+    x, y = data(2)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        layer = _DenseWithUnusedWeight()
+        model = keras.Sequential([keras.Input((IN,)), layer])
+        kernel_before = layer.kernel.numpy()
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    np.testing.assert_array_equal(layer.unused.numpy(), np.ones(2))
+    assert not np.array_equal(layer.kernel.numpy(), kernel_before)
+    _assert_identical(strategy, model.weights)
+
+
+def _poisoned_data(replica, value):
+    """Two batches; in the second, replica `replica`'s shard (of 2) holds `value`."""
+    x, y = data(2)
+    x[BATCH + replica * BATCH // 2] = value
+    return x, y
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_non_finite_step_is_skipped_on_every_replica(replica):
+    x, y = _poisoned_data(replica, np.nan)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = _model()
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    after_first = [w.numpy() for w in model.weights]
+    slots_after_first = [v.numpy() for v in optimizer.inner_optimizer.variables]
+    model.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_identical(strategy, model.weights + optimizer.inner_optimizer.variables)
+    for before, after in zip(after_first, model.weights):
+        np.testing.assert_array_equal(before, after.numpy())
+    for before, after in zip(slots_after_first, optimizer.inner_optimizer.variables):
+        np.testing.assert_array_equal(before, after.numpy())  # iterations too: the step did not happen
+
+
+@pytest.fixture
+def mixed_policy():
+    def set_policy(name):
+        keras.mixed_precision.set_global_policy(name)
+
+    yield set_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16(mixed_policy):
+    mixed_policy("mixed_bfloat16")
+    x, y = data(4)
+    strategy, model, initial = _fit(2, lambda: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.05)), x, y)
+    assert model.layers[0].compute_dtype == "bfloat16"
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    assert any(not np.array_equal(a, w.numpy()) for a, w in zip(initial, model.weights))
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_mixed_float16_skips_an_overflowing_step_everywhere(mixed_policy, replica):
+    # model.compile wraps the optimizer in a LossScaleOptimizer, which looks at
+    # replica 0 only; the wrapper makes every replica agree.
+    mixed_policy("mixed_float16")
+    x, y = _poisoned_data(replica, 6e4)  # float16 overflow on one replica only
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = _model()
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(model.optimizer.inner_optimizer, tf_adasum.AdasumOptimizer)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    after_first = [w.numpy() for w in model.weights]
+    model.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
+    _assert_identical(strategy, model.weights)
+    for before, after in zip(after_first, model.weights):
+        np.testing.assert_array_equal(before, after.numpy())
+
+
+def test_loss_scale_optimizer_inside_is_refused():
+    with pytest.raises(ValueError, match="LossScaleOptimizer\\(AdasumOptimizer\\(inner\\)\\)"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+
+
+# -- serialisation and checkpoints ------------------------------------------------------
+
+
+@pytest.mark.parametrize("combiner", ["adasum", "mean", combiners.Sum()])
+def test_config_round_trip(combiner):
+    optimizer = tf_adasum.AdasumOptimizer(
+        keras.optimizers.Adam(0.003, clipnorm=1.0), combiner=combiner, mode="gradient", backward_passes_per_step=2
+    )
+    config = optimizer.get_config()
+    restored = tf_adasum.AdasumOptimizer.from_config(config)
+    assert restored.get_config() == config
+    assert restored.combiner == combiners.get(combiner)
+    assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+    assert restored.inner_optimizer.clipnorm == 1.0
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert isinstance(again, tf_adasum.AdasumOptimizer) and again.get_config() == config
+
+
+def test_save_and_load_keras_file(tmp_path):
+    x, y = data(2)
+    strategy, model, _ = _fit(2, lambda: tf_adasum.AdasumOptimizer(keras.optimizers.Adam(0.01)), x, y)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, tf_adasum.AdasumOptimizer)
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    saved = [v.numpy() for v in model.optimizer.variables]
+    restored = [v.numpy() for v in loaded.optimizer.variables]
+    assert len(saved) == len(restored)
+    for a, b in zip(saved, restored):
+        np.testing.assert_array_equal(a, b)  # replica 0's slots
+    loaded.fit(x, y, batch_size=BATCH, verbose=0)  # and it trains on
+
+
+def _train_with_restart(tmp_path, n, inner_fn, restart, **kwargs):
+    """4 steps, optionally checkpointing after 2 and continuing in a new strategy."""
+    x, y = data(4)
+    strategy = mirrored(n)[0]
+    with strategy.scope():
+        model = _model()
+        optimizer = tf_adasum.AdasumOptimizer(inner_fn(), **kwargs)
+        model.compile(optimizer=optimizer, loss="mse")
+    if not restart:
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        return strategy, model, optimizer
+    model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    slots_replica0 = [_replica_values(strategy, v)[0] for v in optimizer.inner_optimizer.variables]
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(os.path.join(tmp_path, "ckpt"))
+    strategy = mirrored(n)[0]
+    with strategy.scope():
+        model = _model(seed=99)  # different initial weights: the restore must overwrite them
+        optimizer = tf_adasum.AdasumOptimizer(inner_fn(), **kwargs)
+        model.compile(optimizer=optimizer, loss="mse")
+        optimizer.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path).assert_existing_objects_matched()
+    for variable, saved in zip(optimizer.inner_optimizer.variables, slots_replica0):
+        for value in _replica_values(strategy, variable):
+            np.testing.assert_array_equal(value, saved)  # replica 0's slots everywhere
+    model.fit(x[2 * BATCH :], y[2 * BATCH :], batch_size=BATCH, shuffle=False, verbose=0)
+    return strategy, model, optimizer
+
+
+@pytest.mark.parametrize(
+    "inner_fn, kwargs",
+    [
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), {"mode": "gradient"}),
+        (lambda: keras.optimizers.SGD(0.1), {"mode": "delta"}),
+    ],
+    ids=["gradient-mode-momentum", "delta-mode-plain-sgd"],
+)
+def test_checkpoint_restore_continues_exactly(tmp_path, inner_fn, kwargs):
+    _, continuous, _ = _train_with_restart(tmp_path, 2, inner_fn, restart=False, **kwargs)
+    strategy, restarted, optimizer = _train_with_restart(tmp_path, 2, inner_fn, restart=True, **kwargs)
+    assert int(optimizer.iterations.numpy()) == 4
+    _assert_identical(strategy, restarted.weights)
+    for a, b in zip(continuous.weights, restarted.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_checkpoint_restore_in_delta_mode_gives_replica_0_slots_everywhere(tmp_path):
+    strategy, model, _ = _train_with_restart(tmp_path, 2, lambda: keras.optimizers.SGD(0.1, momentum=0.9), restart=True)
+    _assert_identical(strategy, model.weights)
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"combiner": "median"}, ValueError, "Received: combiner='median'"),
+        ({"combiner": 3}, TypeError, "Received: combiner=3"),
+        ({"mode": "weights"}, ValueError, "Received: mode='weights'"),
+        ({"backward_passes_per_step": 0}, ValueError, "Received: backward_passes_per_step=0"),
+        ({"backward_passes_per_step": 1.5}, TypeError, "Received: backward_passes_per_step=1.5"),
+        ({"hierarchical": "yes"}, TypeError, "Received: hierarchical='yes'"),
+        ({"backend": "nccl"}, ValueError, "Received: backend='nccl'"),
+        ({"backend": "mpi"}, NotImplementedError, "backend='mpi'"),
+        ({"learning_rate": 0.1}, ValueError, "does not support arguments: `learning_rate`"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_invalid_inner_optimizers():
+    with pytest.raises(TypeError, match="Received: inner_optimizer='sgd' of type str"):
+        tf_adasum.AdasumOptimizer("sgd")
+    with pytest.raises(ValueError, match="Set `use_ema=True` on the AdasumOptimizer"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(use_ema=True))
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match="must not itself be an AdasumOptimizer"):
+        tf_adasum.AdasumOptimizer(tf_adasum.AdasumOptimizer(keras.optimizers.SGD()))
