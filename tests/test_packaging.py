@@ -38,7 +38,15 @@ def test_version():
 
 def test_public_api():
     assert sorted(tf_adasum.__all__) == sorted(
-        ["AdasumCrossDeviceOps", "AdasumOptimizer", "__version__", "adasum_pair", "combiners", "reference"]
+        [
+            "AdasumCrossDeviceOps",
+            "AdasumDiagnostics",
+            "AdasumOptimizer",
+            "__version__",
+            "adasum_pair",
+            "combiners",
+            "reference",
+        ]
     )
     for name in tf_adasum.__all__:
         assert hasattr(tf_adasum, name)

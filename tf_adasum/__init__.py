@@ -5,6 +5,7 @@ Public API:
   adasum_pair            Adasum of two tensors, as a TF op
   AdasumCrossDeviceOps   a `tf.distribute.CrossDeviceOps` carrying the collective
   AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
+  AdasumDiagnostics      a Keras callback with per-tensor diagnostics of the combine
   combiners              combiner objects ("adasum", "sum", "mean")
 """
 
@@ -47,12 +48,14 @@ def _check_keras_backend() -> None:
 _check_keras_backend()
 
 from tf_adasum import combiners, reference  # noqa: E402
+from tf_adasum.callbacks import AdasumDiagnostics  # noqa: E402
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps  # noqa: E402
 from tf_adasum.ops import adasum_pair  # noqa: E402
 from tf_adasum.optimizer import AdasumOptimizer  # noqa: E402
 
 __all__ = [
     "AdasumCrossDeviceOps",
+    "AdasumDiagnostics",
     "AdasumOptimizer",
     "__version__",
     "adasum_pair",

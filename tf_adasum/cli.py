@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ("collective.py",)
+BENCHMARKS = ("collective.py", "optimizer_step.py")
 
 
 def _bench(args: argparse.Namespace) -> int:

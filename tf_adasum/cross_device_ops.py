@@ -103,7 +103,8 @@ def combine_on_devices(
     comms: Sequence[rvh.Communicator],
     combiner: combiners_lib.Combiner,
     bytes_per_bucket: int = 0,
-) -> list[list[tf.Tensor]]:
+    with_partials: bool = False,
+):
     """Builds the combine of `values` over the local ranks of `comms`.
 
     Args:
@@ -111,12 +112,16 @@ def combine_on_devices(
       comms: one communicator per local rank, in the order of the components.
       combiner: the pair rule.
       bytes_per_bucket: fusion cap (0: one bucket per dtype).
+      with_partials: also return, per local rank, the float64 partial sums
+        ``[levels, values, 3]`` the rule computed at each tree level (zeros
+        where that rank holds none; see `rvh.level_representatives`).
 
     With several local ranks this must run inside a `tf.function`: eagerly, the
     first rank's collective would wait forever for the others.
 
     Returns:
-      Per local rank, the list of combined tensors (bitwise identical across ranks).
+      Per local rank, the list of combined tensors (bitwise identical across
+      ranks); with `with_partials`, a pair (that list, the partials per rank).
     """
     num_ranks = comms[0].size
     shapes = [v[0].shape for v in values]
@@ -124,13 +129,30 @@ def combine_on_devices(
         [v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket
     )
     outputs = [[components[local] for components in values] for local in range(len(comms))]
+    levels = rvh.num_levels(num_ranks)
+    recorded = [[[None] * len(values) for _ in range(levels)] for _ in comms]
     for bucket in buckets:
         for local, comm in enumerate(comms):
+
+            def record(level, partials, local=local, bucket=bucket):
+                for row, i in enumerate(bucket.indices):
+                    recorded[local][level][i] = partials[row]
+
             with tf.device(comm.device):
-                flat = rvh.allreduce(comm, rvh.pack(outputs[local], bucket), bucket, combiner)
+                flat = rvh.allreduce(
+                    comm, rvh.pack(outputs[local], bucket), bucket, combiner, record if with_partials else None
+                )
                 for i, tensor in zip(bucket.indices, rvh.unpack(flat, bucket, shapes)):
                     outputs[local][i] = tensor
-    return outputs
+    if not with_partials:
+        return outputs
+    partials = []
+    for comm, rank_levels in zip(comms, recorded):
+        with tf.device(comm.device):
+            zeros = tf.zeros([3], tf.float64)
+            rows = [tf.stack([zeros if r is None else r for r in level]) for level in rank_levels]
+            partials.append(tf.stack(rows) if rows else tf.zeros([0, len(values), 3], tf.float64))
+    return outputs, partials
 
 
 def local_communicators(
@@ -141,8 +163,9 @@ def local_communicators(
     return [collective.TFCollectiveCommunicator(devices, r, timeout_seconds) for r in range(len(devices))]
 
 
-def _build(values, devices, combiner, bytes_per_bucket, timeout_seconds):
-    return combine_on_devices(values, local_communicators(devices, timeout_seconds), combiner, bytes_per_bucket)
+def _build(values, devices, combiner, bytes_per_bucket, timeout_seconds, with_partials):
+    comms = local_communicators(devices, timeout_seconds)
+    return combine_on_devices(values, comms, combiner, bytes_per_bucket, with_partials)
 
 
 class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
@@ -208,34 +231,45 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         """
         return self.batch_reduce_combine(per_replica_values, "adasum", options)
 
-    def batch_reduce_combine(self, per_replica_values: Sequence[Any], combiner="adasum", options=None) -> list[Any]:
-        """Like `batch_reduce_adasum`, with any combiner (name or object)."""
+    def batch_reduce_combine(
+        self, per_replica_values: Sequence[Any], combiner="adasum", options=None, with_partials: bool = False
+    ):
+        """Like `batch_reduce_adasum`, with any combiner (name or object).
+
+        With `with_partials`, returns ``(combined, partials)``: `partials` is a
+        per-replica float64 ``[levels, len(values), 3]`` tensor of the partial
+        sums [a.b, |a|^2, |b|^2] each replica holds per tree level (Adasum only;
+        zeros otherwise), for diagnostics.
+        """
         combiner = combiners_lib.get(combiner)
         options = self._options.merge(options) if options is not None else self._options
         values = _check_values(per_replica_values)
         devices = _replica_devices(values[0])
         if len(devices) == 1:
-            return [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]
-        build_args = (devices, combiner, options.bytes_per_pack, options.timeout_seconds)
+            combined = [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]
+            if with_partials:
+                return combined, tf.zeros([0, len(values), 3], tf.float64)
+            return combined
+        build_args = (devices, combiner, options.bytes_per_pack, options.timeout_seconds, with_partials)
         if tf.executing_eagerly():
-            outputs = self._eager_fn(*build_args)(values)
+            built = self._eager_fn(*build_args)(values)
         else:
-            outputs = _build(values, *build_args)
-        return [
+            built = _build(values, *build_args)
+        outputs, partials = built if with_partials else (built, None)
+        combined = [
             distribute_utils.regroup(tuple(outputs[r][i] for r in range(len(devices))), wrap_class=values_lib.Mirrored)
             for i in range(len(values))
         ]
+        if with_partials:
+            return combined, distribute_utils.regroup(tuple(partials), wrap_class=values_lib.PerReplica)
+        return combined
 
-    def _eager_fn(self, devices, combiner, bytes_per_bucket, timeout_seconds):
+    def _eager_fn(self, *build_args):
         """A cached `tf.function`: eagerly, devices would wait on each other forever."""
-        key = (devices, combiner, bytes_per_bucket, timeout_seconds)
         with self._lock:
-            if key not in self._eager_fns:
-                self._eager_fns[key] = tf.function(
-                    lambda values: _build(values, devices, combiner, bytes_per_bucket, timeout_seconds),
-                    autograph=False,
-                )
-            return self._eager_fns[key]
+            if build_args not in self._eager_fns:
+                self._eager_fns[build_args] = tf.function(lambda values: _build(values, *build_args), autograph=False)
+            return self._eager_fns[build_args]
 
     # -- everything else goes to the fallback ----------------------------------
 

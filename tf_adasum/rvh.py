@@ -209,11 +209,44 @@ def groups(num_ranks: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(result))
 
 
-def _local_sum(partials: tf.Tensor) -> tf.Tensor:
-    return partials
+def num_levels(num_ranks: int) -> int:
+    """Levels of the tree as `level_representatives` counts them (the fold is one)."""
+    leaves, folded = tree_shape(num_ranks)
+    return (leaves.bit_length() - 1) + (1 if folded else 0)
 
 
-def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRule) -> tf.Tensor:
+def level_representatives(num_ranks: int) -> list[list[int]]:
+    """Per level (the fold first, if any), one rank per pair combined at that
+    level: the rank that holds that pair's whole-tensor partial sums."""
+    leaves, folded = tree_shape(num_ranks)
+    levels = [[2 * i for i in range(folded)]] if folded else []
+    bit = 1
+    while bit < leaves:
+        levels.append([_real_rank(start, folded) for start in range(0, leaves, 2 * bit)])
+        bit <<= 1
+    return levels
+
+
+#: Called as ``record(level, partials)`` with a level's float64 ``[tensors, 3]``
+#: whole-tensor partial sums [a.b, |a|^2, |b|^2], on the ranks that have them.
+RecordFn = Callable[[int, tf.Tensor], None]
+
+
+def _recording(sum_partials, level: int, record: RecordFn | None):
+    if record is None:
+        return sum_partials
+
+    def summed(partials):
+        partials = sum_partials(partials)
+        record(level, partials)
+        return partials
+
+    return summed
+
+
+def allreduce(
+    comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRule, record: RecordFn | None = None
+) -> tf.Tensor:
     """Combines one bucket over all ranks; call on every rank with its buffer.
 
     Args:
@@ -221,6 +254,8 @@ def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRul
       flat: this rank's buffer, as made by `pack`.
       bucket: the buffer's layout (identical on every rank).
       rule: the pair rule, e.g. Adasum.
+      record: optional; receives the partial sums a rule computes at each
+        level (for diagnostics; no extra communication).
 
     Returns:
       The combined buffer, bitwise identical on every rank.
@@ -235,10 +270,11 @@ def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRul
             sent = comm.send(flat, rank - 1)
             return comm.recv(rank - 1, like=sent)
         pair = tf.stack([flat, comm.recv(rank + 1, like=flat)])
-        flat = rule.combine(pair, bucket.segments(0, bucket.padded_length), _local_sum)
+        flat = rule.combine(pair, bucket.segments(0, bucket.padded_length), _recording(tf.identity, 0, record))
         virtual = rank // 2
     else:
         virtual = rank - folded
+    level = 1 if folded else 0
 
     lo, length = 0, bucket.padded_length
     bit = 1
@@ -251,12 +287,10 @@ def allreduce(comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRul
         length = half
         block_start = virtual & ~(2 * bit - 1)
         block = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
-        flat = rule.combine(
-            swapped,
-            bucket.segments(lo, lo + length),
-            lambda partials, block=block: comm.sum_float64(partials, block),
-        )
+        sum_partials = lambda partials, block=block: comm.sum_float64(partials, block)  # noqa: E731
+        flat = rule.combine(swapped, bucket.segments(lo, lo + length), _recording(sum_partials, level, record))
         bit <<= 1
+        level += 1
     while bit > 1:
         bit >>= 1
         flat = comm.gather_pair(flat, _real_rank(virtual ^ bit, folded))

@@ -1,0 +1,140 @@
+"""AdasumDiagnostics: its values against numpy computations on the same deltas."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+from conftest import mirrored
+from simulation import BATCH, IN, OUT, _grads, data
+
+import tf_adasum
+from tf_adasum import reference
+
+
+def _tree_levels(values):
+    """The pairs the Adasum tree combines, level by level (the fold first)."""
+    leaves, folded = reference.tree_shape(len(values))
+    levels = []
+    if folded:
+        levels.append([(values[2 * i], values[2 * i + 1]) for i in range(folded)])
+        current = [reference.adasum_pair(a, b) for a, b in levels[-1]] + values[2 * folded :]
+    else:
+        current = list(values)
+    while len(current) > 1:
+        levels.append([(current[2 * i], current[2 * i + 1]) for i in range(len(current) // 2)])
+        current = [reference.adasum_pair(a, b) for a, b in levels[-1]]
+    return levels
+
+
+def _expected(deltas):
+    """Statistics of one tensor, given each replica's delta (float64)."""
+    norms = [np.linalg.norm(d) for d in deltas]
+    combined = reference.tree_reduce(deltas, reference.adasum_pair)
+    stats = {
+        "delta_norm_min": min(norms),
+        "delta_norm_mean": np.mean(norms),
+        "delta_norm_max": max(norms),
+        "combined_norm": np.linalg.norm(combined),
+        "orthogonality": np.sum(combined**2) / np.sum([n**2 for n in norms]),
+    }
+    for k, pairs in enumerate(_tree_levels(deltas)):
+        quantities = {"cos": [], "coef_a": [], "coef_b": []}
+        for a, b in pairs:
+            dot, a_sq, b_sq = np.sum(a * b), np.sum(a * a), np.sum(b * b)
+            quantities["cos"].append(dot / np.sqrt(a_sq * b_sq))
+            c_a, c_b = reference.adasum_coefficients(dot, a_sq, b_sq)
+            quantities["coef_a"].append(c_a)
+            quantities["coef_b"].append(c_b)
+        for name, values in quantities.items():
+            stats[f"level{k}/{name}_min"] = min(values)
+            stats[f"level{k}/{name}_mean"] = np.mean(values)
+            stats[f"level{k}/{name}_max"] = max(values)
+    return stats
+
+
+def _train(n, callback, steps=2, lr=0.1):
+    x, y = data(steps)
+    strategy = mirrored(n)[0]
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+        initial = [w.numpy().astype(np.float64) for w in model.weights]
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(lr)), loss="mse")
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
+    return model, initial, x, y, history
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_values_equal_numpy_on_the_same_deltas(n, tmp_path):
+    callback = tf_adasum.AdasumDiagnostics(every_n_steps=1)
+    model, initial, x, y, _ = _train(n, callback, lr=0.1)
+    step, record = callback.records[0]
+    assert step == 0
+    b = BATCH // n
+    local_grads = [_grads(initial, x[r * b : (r + 1) * b], y[r * b : (r + 1) * b]) for r in range(n)]
+    for t, variable in enumerate(model.trainable_variables):
+        expected = _expected([-0.1 * g[t] for g in local_grads])
+        got = record[variable.path]
+        assert set(got) == set(expected)
+        for key, value in expected.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{variable.path} {key}")
+
+
+def test_outputs(tmp_path):
+    callback = tf_adasum.AdasumDiagnostics(
+        every_n_steps=2,
+        log_dir=str(tmp_path / "tb"),
+        jsonl_path=str(tmp_path / "diag.jsonl"),
+        png_path=str(tmp_path / "diag.png"),
+    )
+    model, _, _, _, history = _train(2, callback, steps=5)
+    assert [step for step, _ in callback.records] == [0, 2, 4]
+    lines = [json.loads(line) for line in open(tmp_path / "diag.jsonl", encoding="utf-8")]
+    assert [line["step"] for line in lines] == [0, 2, 4]
+    key = f"adasum/{model.trainable_variables[0].path}/orthogonality"
+    assert key in history.history and 0.5 - 1e-9 <= history.history[key][-1] <= 1.0 + 1e-9
+    assert not any(k.endswith("combined_norm") for k in history.history)  # only `logged` statistics
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    assert os.path.getsize(tmp_path / "diag.png") > 1000
+
+
+def test_not_attached_means_not_computed():
+    x, y = data(2)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert optimizer._diagnostics.variable is None
+    with pytest.raises(ValueError, match="attach a tf_adasum.AdasumDiagnostics"):
+        optimizer.read_diagnostics()
+
+
+def test_arguments_and_missing_viz(monkeypatch):
+    with pytest.raises(ValueError, match="Received: every_n_steps=0"):
+        tf_adasum.AdasumDiagnostics(every_n_steps=0)
+    with pytest.raises(TypeError, match="Received: every_n_steps=2.0"):
+        tf_adasum.AdasumDiagnostics(every_n_steps=2.0)
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("tensorboard", "matplotlib") else real_find_spec(name, *a),
+    )
+    with pytest.raises(ImportError, match=r"pip install 'tf_adasum\[viz\]'"):
+        tf_adasum.AdasumDiagnostics(log_dir="/tmp/x")
+    with pytest.raises(ImportError, match="matplotlib"):
+        tf_adasum.AdasumDiagnostics(png_path="/tmp/x.png")
+
+
+def test_needs_an_adasum_optimizer():
+    model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = data(1)
+    with pytest.raises(ValueError, match="compiled with a tf_adasum.AdasumOptimizer"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[tf_adasum.AdasumDiagnostics()])
