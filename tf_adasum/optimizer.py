@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import ops, rvh
+from tf_adasum import diagnostics as diagnostics_lib
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
 
 __all__ = ["AdasumOptimizer"]
@@ -58,12 +58,6 @@ class _DiagnosticsState:
         self.variable: tf.Variable | None = None
         self.num_replicas = 1
         self.with_levels = False
-
-
-#: Per-tensor statistics, in the column order of the diagnostics variable; then,
-#: per tree level (the non-power-of-two fold first), `LEVEL_STATS`.
-TENSOR_STATS = ("delta_norm_min", "delta_norm_mean", "delta_norm_max", "combined_norm", "orthogonality")
-LEVEL_STATS = tuple(f"{q}_{s}" for q in ("cos", "coef_a", "coef_b") for s in ("min", "mean", "max"))
 
 
 def _tf_variable(variable):
@@ -209,8 +203,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         state = self._diagnostics
         state.num_replicas = strategy.num_replicas_in_sync
         state.with_levels = isinstance(self._effective_combiner(), combiners_lib.Adasum) and state.num_replicas > 1
-        levels = rvh.num_levels(state.num_replicas) if state.with_levels else 0
-        width = len(TENSOR_STATS) + levels * len(LEVEL_STATS)
+        width = len(diagnostics_lib.columns(state.num_replicas, state.with_levels))
         with strategy.scope(), tf.init_scope():
             state.variable = tf.Variable(
                 tf.fill([len(self._trainable_variables), width], tf.constant(float("nan"), tf.float64)),
@@ -222,8 +215,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def diagnostics_columns(self) -> list[str]:
         """The names of the diagnostics variable's columns."""
-        levels = rvh.num_levels(self._diagnostics.num_replicas) if self._diagnostics.with_levels else 0
-        return list(TENSOR_STATS) + [f"level{k}/{q}" for k in range(levels) for q in LEVEL_STATS]
+        return diagnostics_lib.columns(self._diagnostics.num_replicas, self._diagnostics.with_levels)
 
     def read_diagnostics(self) -> dict[str, dict[str, float]]:
         """The statistics of the latest combine: ``{variable path: {column: value}}``."""
@@ -326,32 +318,13 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     def _record_diagnostics(self, strategy, per_replica, combined, partials):
         """Per-tensor statistics of one combine, from values every replica already has."""
         local = strategy.experimental_local_results
-        sq = lambda x: tf.reduce_sum(tf.square(tf.cast(x, tf.float64)))  # noqa: E731
-        delta_sq = tf.stack([tf.stack([sq(x) for x in local(value)]) for value in per_replica], axis=1)  # [N, T]
-        combined_sq = tf.stack([sq(local(value)[0]) for value in combined])  # [T]
-        total_sq = tf.reduce_sum(delta_sq, axis=0)
-        delta_norm = tf.sqrt(delta_sq)
-        columns = [
-            tf.reduce_min(delta_norm, axis=0),
-            tf.reduce_mean(delta_norm, axis=0),
-            tf.reduce_max(delta_norm, axis=0),
-            tf.sqrt(combined_sq),
-            tf.where(total_sq > 0, combined_sq / tf.where(total_sq > 0, total_sq, 1.0), tf.ones_like(total_sq)),
-        ]
-        if self._diagnostics.with_levels:
-            held = tf.stack(local(partials))  # [N, levels, T, 3]
-            for level, ranks in enumerate(rvh.level_representatives(len(local(partials)))):
-                pairs = tf.gather(held[:, level], ranks)  # [pairs, T, 3]
-                dot, a_sq, b_sq = tf.unstack(pairs, axis=-1)
-                norms = tf.sqrt(a_sq * b_sq)
-                cos = tf.where(norms > 0, dot / tf.where(norms > 0, norms, 1.0), tf.zeros_like(dot))
-                for quantity in (cos, *ops.coefficients(pairs)):
-                    columns += [
-                        tf.reduce_min(quantity, 0),
-                        tf.reduce_mean(quantity, 0),
-                        tf.reduce_max(quantity, 0),
-                    ]
-        self._diagnostics.variable.assign(tf.stack(columns, axis=1))
+        statistics = diagnostics_lib.statistics(
+            deltas=[list(replica) for replica in zip(*[local(value) for value in per_replica])],
+            combined=[local(value)[0] for value in combined],
+            partials=list(local(partials)),
+            with_levels=self._diagnostics.with_levels,
+        )
+        self._diagnostics.variable.assign(statistics)
 
     @staticmethod
     def _all_finite(strategy, grads) -> tf.Tensor:
