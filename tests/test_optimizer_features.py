@@ -328,3 +328,31 @@ def test_invalid_inner_optimizers():
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
     with pytest.raises(ValueError, match="must not itself be an AdasumOptimizer"):
         tf_adasum.AdasumOptimizer(tf_adasum.AdasumOptimizer(keras.optimizers.SGD()))
+
+
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
+def test_jit_compile_settings_under_a_strategy(jit_compile):
+    x, y = data(3)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = _model()
+        initial = [w.numpy() for w in model.weights]
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD().keras()), loss="mse", jit_compile=jit_compile)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert model.jit_compile is False  # "auto" resolves to False under a strategy
+    for got, want in zip(model.weights, simulate(initial, x, y, 2, 3, SGD(), reference.adasum_tree)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_replica_compiles_with_xla():
+    x, y = data(3)
+    results = []
+    for jit_compile in (False, True):
+        model = _model()
+        model.compile(
+            optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=jit_compile
+        )
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        results.append([w.numpy() for w in model.weights])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
