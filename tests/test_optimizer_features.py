@@ -356,3 +356,31 @@ def test_one_replica_compiles_with_xla():
         results.append([w.numpy() for w in model.weights])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_constraints_and_slots_follow_the_right_variables(k):
+    # An unused weight comes first, so the variables with gradients are a
+    # shifted subset: constraints and per-variable slots must follow them.
+    x, y = data(4)
+
+    class Layer(keras.layers.Layer):
+        def build(self, input_shape):
+            self.unused = self.add_weight(shape=(OUT,), name="unused", initializer="ones")
+            self.kernel = self.add_weight(shape=(IN, OUT), name="kernel", constraint=keras.constraints.NonNeg())
+
+        def call(self, inputs):
+            return inputs @ self.kernel
+
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        keras.utils.set_random_seed(4)
+        layer = Layer()
+        model = keras.Sequential([keras.Input((IN,)), layer])
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.5), backward_passes_per_step=k)
+        model.compile(optimizer=optimizer, loss="mse")
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(layer.unused.numpy(), np.ones(OUT))
+    assert (layer.kernel.numpy() >= 0).all() and (layer.kernel.numpy() > 0).any()
+    _assert_identical(strategy, model.weights)

@@ -89,7 +89,7 @@ def test_importing_does_not_pull_optional_dependencies():
     assert "ADDED []" in out.stdout
 
 
-@pytest.mark.parametrize("command", ["eval", "launch"])
+@pytest.mark.parametrize("command", ["launch"])
 def test_cli_subcommands_not_built_yet_fail_loudly(command):
     out = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "tf-adasum"), command],
@@ -99,6 +99,15 @@ def test_cli_subcommands_not_built_yet_fail_loudly(command):
     )
     assert out.returncode == 2
     assert "not built yet" in out.stderr
+
+
+def test_cli_eval_is_the_scaling_evaluation():
+    tf_adasum_cli = os.path.join(os.path.dirname(sys.executable), "tf-adasum")
+    out = subprocess.run([tf_adasum_cli, "eval", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert "--preset" in out.stdout and "--resume" in out.stdout
+    bad = subprocess.run([tf_adasum_cli, "eval", "--replicas", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Received: replicas=0" in bad.stderr
 
 
 def test_cli_help():

@@ -29,6 +29,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from tf_adasum.eval.cli import main as eval_main
+
+    return eval_main(args.eval_args)
+
+
 def _not_built(what: str, issue: str):
     def run(args: argparse.Namespace) -> int:
         print(f'tf-adasum {what}: not built yet (see the issue "{issue}").', file=sys.stderr)
@@ -43,7 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run the benchmarks (JSON lines)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to each benchmark")
     bench.set_defaults(run=_bench)
-    sub.add_parser("eval", help="the scaling evaluation").set_defaults(run=_not_built("eval", "The scaling evaluation"))
+    evaluation = sub.add_parser("eval", help="the scaling evaluation (see `tf-adasum eval --help`)", add_help=False)
+    evaluation.add_argument("eval_args", nargs=argparse.REMAINDER)
+    evaluation.set_defaults(run=_eval)
     sub.add_parser("launch", help="start N local workers with TF_CONFIG").set_defaults(
         run=_not_built("launch", "Multi-worker")
     )

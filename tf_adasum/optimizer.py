@@ -285,18 +285,18 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         # One worker: the hierarchical combine is the mean of the local replicas.
         return combiners_lib.Mean() if self.hierarchical else self.combiner
 
-    def _distributed_step(self, strategy, grads, variables):
-        """Cross-replica context: grads are per-replica local mean gradients."""
-        variables = [_tf_variable(v) for v in variables]
+    def _distributed_step(self, strategy, grads, keras_variables):
+        """Cross-replica context: grads are per-replica local mean gradients of
+        `keras_variables` (those that have gradients)."""
         combine = self._make_combine(strategy)
         all_finite = self._all_finite(strategy, grads)
         k = self.backward_passes_per_step
 
         def step():
             if k == 1:
-                self._step(strategy, combine, grads, variables)
+                self._step(strategy, combine, grads, keras_variables)
             else:
-                self._accumulating_step(strategy, combine, grads, variables)
+                self._accumulating_step(strategy, combine, grads, keras_variables)
             return tf.constant(True)
 
         tf.cond(all_finite, step, lambda: tf.constant(False))
@@ -337,21 +337,23 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         per_replica = strategy.extended.call_for_each_replica(non_finite, args=tuple(grads))
         return tf.equal(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None), 0.0)
 
-    def _step(self, strategy, combine, grads, variables):
+    def _step(self, strategy, combine, grads, keras_variables):
+        variables = [_tf_variable(v) for v in keras_variables]
         if self.mode == "gradient":
             self._local_update(strategy, combine(grads), variables)
         else:
             start = strategy.extended.call_for_each_replica(lambda: [tf.identity(v) for v in variables])
             self._local_update(strategy, grads, variables)
             self._combine_deltas(strategy, combine, start, variables)
-        self._after_combine(strategy, variables)
+        self._after_combine(strategy, keras_variables)
 
-    def _accumulating_step(self, strategy, combine, grads, variables):
+    def _accumulating_step(self, strategy, combine, grads, keras_variables):
+        variables = [_tf_variable(v) for v in keras_variables]
         k = self.backward_passes_per_step
         local_step = self._local_steps.value
         is_last = tf.equal((local_step + 1) % k, 0)
         if self.mode == "delta":
-            starts = [_tf_variable(v) for v in self._start_weights]
+            starts = [_tf_variable(self._start_weights[self._get_variable_index(v)]) for v in keras_variables]
 
             def snapshot():
                 for start, variable in zip(starts, variables):
@@ -364,11 +366,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             def finish():
                 start = strategy.extended.call_for_each_replica(lambda: [tf.identity(s) for s in starts])
                 self._combine_deltas(strategy, combine, start, variables)
-                self._after_combine(strategy, variables)
+                self._after_combine(strategy, keras_variables)
                 return tf.constant(True)
 
         else:
-            accumulators = [_tf_variable(a) for a in self._accumulators]
+            accumulators = [_tf_variable(self._accumulators[self._get_variable_index(v)]) for v in keras_variables]
             for accumulator, grad in zip(accumulators, grads):
                 strategy.extended.update(accumulator, lambda a, g: a.assign_add(g), args=(grad,), group=False)
 
@@ -377,7 +379,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
                 self._local_update(strategy, combine(mean), variables)
                 for accumulator in accumulators:
                     accumulator.assign(tf.zeros_like(accumulator))
-                self._after_combine(strategy, variables)
+                self._after_combine(strategy, keras_variables)
                 return tf.constant(True)
 
         tf.cond(is_last, finish, lambda: tf.constant(False))
@@ -412,10 +414,12 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         for variable, s, c in zip(variables, start, combined):
             strategy.extended.update(variable, lambda v, s, c: v.assign(s + c), args=(s, c), group=False)
 
-    def _after_combine(self, strategy, variables):
-        for variable, keras_variable in zip(variables, self._trainable_variables):
+    def _after_combine(self, strategy, keras_variables):
+        for keras_variable in keras_variables:
             if keras_variable.constraint is not None:
-                strategy.extended.update(variable, lambda v, c=keras_variable.constraint: v.assign(c(v)), group=False)
+                strategy.extended.update(
+                    _tf_variable(keras_variable), lambda v, c=keras_variable.constraint: v.assign(c(v)), group=False
+                )
         self._update_ema(self._trainable_variables)
 
     def _update_ema(self, trainable_variables):

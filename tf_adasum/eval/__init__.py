@@ -1,4 +1,5 @@
-"""The scaling evaluation (epochs to target accuracy, Adasum against averaging).
+"""The scaling evaluation: epochs to a target accuracy, Adasum against averaging.
 
-Not built yet: see the project's issue "The scaling evaluation".
+Run it with `tf-adasum eval` (or `python -m tf_adasum.eval`, or `make eval` for
+the quick preset); see `tf_adasum.eval.cli`.
 """

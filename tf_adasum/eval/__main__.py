@@ -1,0 +1,7 @@
+"""`python -m tf_adasum.eval`: the scaling evaluation."""
+
+import sys
+
+from tf_adasum.eval.cli import main
+
+sys.exit(main())

@@ -1,0 +1,180 @@
+"""One run of the scaling evaluation: train a model to a target accuracy.
+
+Every combiner in a grid trains with the same base learning rate and optimizer
+settings (Adam), as in the paper. ``keras`` is the plain inner optimizer under
+the same strategy (Keras' gradient averaging, what users run today); the others
+go through `tf_adasum.AdasumOptimizer` in delta mode with `local_steps` local
+steps per combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from tf_adasum.eval import metrics
+from tf_adasum.eval.data import DATASETS
+from tf_adasum.eval.models import TRAINING_MODELS
+
+__all__ = ["COMBINERS", "ENGINES", "RunConfig", "run"]
+
+COMBINERS = ("adasum", "mean", "sum", "keras")
+ENGINES = ("local-devices", "tf-collective", "mpi")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One configuration of the grid; `validate` checks it."""
+
+    model: str = "lenet5"
+    dataset: str = "mnist"
+    combiner: str = "adasum"
+    engine: str = "local-devices"
+    replicas: int = 4
+    batch_per_replica: int = 32
+    local_steps: int = 1
+    lr: float = 1e-3
+    target: float = 0.98
+    epochs: int = 10
+    seed: int = 0
+    train_examples: int = 0  # 0: the whole training set
+    test_examples: int = 0  # 0: the whole test set
+
+    @property
+    def effective_batch(self) -> int:
+        return self.replicas * self.batch_per_replica * self.local_steps
+
+    def key(self) -> tuple:
+        """What identifies a finished run for `--resume`."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def validate(self) -> RunConfig:
+        if self.model not in TRAINING_MODELS:
+            raise ValueError(f"Unknown `model`. Expected one of {TRAINING_MODELS}. Received: model={self.model!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"Unknown `dataset`. Expected one of {DATASETS}. Received: dataset={self.dataset!r}")
+        if self.combiner not in COMBINERS:
+            raise ValueError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={self.combiner!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"Unknown `engine`. Expected one of {ENGINES}. Received: engine={self.engine!r}")
+        if self.engine != "local-devices":
+            raise NotImplementedError(
+                f"engine={self.engine!r} needs worker processes (the multi-worker issue); "
+                "use engine='local-devices' (replicas on this machine's logical devices)."
+            )
+        for name in ("replicas", "batch_per_replica", "local_steps", "epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+        for name in ("train_examples", "test_examples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be an int >= 0 (0: all). Received: {name}={value!r}")
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError(f"`target` must be in (0, 1]. Received: target={self.target}")
+        if not self.lr > 0:
+            raise ValueError(f"`lr` must be > 0. Received: lr={self.lr}")
+        if self.combiner == "keras" and self.local_steps != 1:
+            raise ValueError(
+                "The `keras` baseline (plain gradient averaging) has no local steps. "
+                f"Received: combiner='keras', local_steps={self.local_steps}"
+            )
+        return self
+
+
+def _optimizer(config: RunConfig):
+    import keras
+
+    import tf_adasum
+
+    inner = keras.optimizers.Adam(config.lr)
+    if config.combiner == "keras":
+        return inner
+    return tf_adasum.AdasumOptimizer(inner, combiner=config.combiner, backward_passes_per_step=config.local_steps)
+
+
+def run(
+    config: RunConfig,
+    data,
+    devices: list[str],
+    stop_at_target: bool = True,
+    progress: Callable[[int, float, float], None] | None = None,
+) -> dict:
+    """Trains `config` and returns its result record (see the README for the fields).
+
+    Args:
+      config: the configuration (validated).
+      data: ``((x_train, y_train), (x_test, y_test))`` uint8 arrays.
+      devices: at least `config.replicas` devices; the first ones are used.
+      stop_at_target: stop after the first epoch that reaches the target.
+      progress: called after each epoch with (epoch, test accuracy, seconds).
+    """
+    import keras
+    import tensorflow as tf
+
+    import tf_adasum
+    from tf_adasum.eval.models import build
+
+    config.validate()
+    keras.utils.set_random_seed(config.seed)
+    (x_train, y_train), (x_test, y_test) = data
+    if config.train_examples:
+        x_train, y_train = x_train[: config.train_examples], y_train[: config.train_examples]
+    if config.test_examples:
+        x_test, y_test = x_test[: config.test_examples], y_test[: config.test_examples]
+    x_train = (x_train[..., None] / 255.0).astype("float32")
+    x_test = (x_test[..., None] / 255.0).astype("float32")
+    global_batch = config.replicas * config.batch_per_replica
+    train = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train.astype("int32")))
+        .shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
+        .batch(global_batch)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    strategy = tf.distribute.MirroredStrategy(
+        devices[: config.replicas], cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
+    )
+    with strategy.scope():
+        model = build(config.model)
+        model.compile(
+            optimizer=_optimizer(config),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    accuracy, seconds = [], []
+    for epoch in range(1, config.epochs + 1):
+        start = time.perf_counter()
+        model.fit(train, epochs=1, verbose=0, shuffle=False)
+        seconds.append(time.perf_counter() - start)
+        accuracy.append(float(model.evaluate(x_test, y_test, batch_size=1000, verbose=0)[1]))
+        if progress is not None:
+            progress(epoch, accuracy[-1], seconds[-1])
+        if stop_at_target and accuracy[-1] >= config.target:
+            break
+    epochs = metrics.epochs_until_convergence(accuracy, config.target)
+    minutes_per_epoch = statistics.median(seconds) / 60.0
+    return {
+        **dataclasses.asdict(config),
+        "effective_batch": config.effective_batch,
+        "accuracy_per_epoch": accuracy,
+        "epochs_until_convergence": epochs,
+        "minutes_per_epoch": minutes_per_epoch,
+        "seconds_per_epoch": seconds,
+        "final_acc": accuracy[-1],
+        "best_acc": max(accuracy),
+        "score": metrics.score(epochs, minutes_per_epoch),
+        "stopped_at_target": stop_at_target,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {_cpu_count()} cores, Python {sys.version.split()[0]}",
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
