@@ -122,3 +122,11 @@ def test_ruff_clean():
     folders = [f for f in ("tf_adasum", "tests", "benchmarks", "examples") if os.path.isdir(os.path.join(ROOT, f))]
     out = subprocess.run([ruff, "check", *folders], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_cli_bench_rejects_unknown_benchmarks():
+    out = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.cli", "bench", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2
+    assert "unknown benchmark ['nope']" in out.stderr

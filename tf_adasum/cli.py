@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ("collective.py", "optimizer_step.py")
+BENCHMARKS = ("collective", "optimizer_step")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -22,17 +22,15 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for name in BENCHMARKS:
-        code = subprocess.call([sys.executable, os.path.join(folder, name), *args.bench_args])
+    unknown = sorted(set(args.names) - set(BENCHMARKS))
+    if unknown:
+        print(f"tf-adasum bench: unknown benchmark {unknown}; expected some of {list(BENCHMARKS)}.", file=sys.stderr)
+        return 2
+    for name in args.names or BENCHMARKS:
+        code = subprocess.call([sys.executable, os.path.join(folder, f"{name}.py")])
         if code:
             return code
     return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from tf_adasum.eval.cli import main as eval_main
-
-    return eval_main(args.eval_args)
 
 
 def _not_built(what: str, issue: str):
@@ -44,14 +42,17 @@ def _not_built(what: str, issue: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:  # the evaluation has its own parser (tf-adasum eval --help)
+        from tf_adasum.eval.cli import main as eval_main
+
+        return eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tf-adasum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run the benchmarks (JSON lines)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed to each benchmark")
+    bench = sub.add_parser("bench", help="run the benchmarks (JSON lines); each script also runs on its own")
+    bench.add_argument("names", nargs="*", metavar="NAME", help=f"which ones: {', '.join(BENCHMARKS)} (default: all)")
     bench.set_defaults(run=_bench)
-    evaluation = sub.add_parser("eval", help="the scaling evaluation (see `tf-adasum eval --help`)", add_help=False)
-    evaluation.add_argument("eval_args", nargs=argparse.REMAINDER)
-    evaluation.set_defaults(run=_eval)
+    sub.add_parser("eval", help="the scaling evaluation (see `tf-adasum eval --help`)")
     sub.add_parser("launch", help="start N local workers with TF_CONFIG").set_defaults(
         run=_not_built("launch", "Multi-worker")
     )
