@@ -37,18 +37,9 @@ def _model(name):
     import keras
 
     if name == "lenet5":
-        layers = [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(6, 5, padding="same", activation="relu"),
-            keras.layers.AveragePooling2D(2),
-            keras.layers.Conv2D(16, 5, activation="relu"),
-            keras.layers.AveragePooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(120, activation="relu"),
-            keras.layers.Dense(84, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-        return keras.Sequential(layers), (28, 28, 1)
+        from tf_adasum.eval.models import lenet5
+
+        return lenet5(), (28, 28, 1)
     # About 10M parameters: 784 -> 2048 -> 2048 -> 2048 -> 10.
     layers = [keras.Input((784,))] + [keras.layers.Dense(2048, activation="relu") for _ in range(3)]
     return keras.Sequential(layers + [keras.layers.Dense(10)]), (784,)

@@ -28,25 +28,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def lenet5():
-    import keras
-
-    return keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(6, 5, padding="same", activation="relu"),
-            keras.layers.AveragePooling2D(2),
-            keras.layers.Conv2D(16, 5, activation="relu"),
-            keras.layers.AveragePooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(120, activation="relu"),
-            keras.layers.Dense(84, activation="relu"),
-            keras.layers.Dense(10),
-        ],
-        name="lenet5",
-    )
-
-
 def main(argv=None):
     args = parse_args(argv)
     import tensorflow as tf
@@ -57,6 +38,7 @@ def main(argv=None):
 
     import tf_adasum
     from tf_adasum.eval.data import load_mnist
+    from tf_adasum.eval.models import lenet5
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_mnist()

@@ -46,7 +46,13 @@ def _args(*argv):
 
 def test_quick_preset_compares_at_one_effective_batch():
     configs = cli.build_grid(_args())
-    assert [(c.combiner, c.local_steps) for c in configs] == [("adasum", 1), ("mean", 1), ("keras", 1), ("adasum", 4)]
+    assert [(c.combiner, c.local_steps) for c in configs] == [
+        ("adasum", 1),
+        ("mean", 1),
+        ("keras", 1),
+        ("adasum", 4),
+        ("adacons", 1),
+    ]
     assert {c.effective_batch for c in configs} == {1024}
     assert len({(c.lr, c.target, c.epochs) for c in configs}) == 1  # same base settings for every combiner
 

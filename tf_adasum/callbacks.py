@@ -14,6 +14,9 @@ the callback is attached (nothing is computed when it is not):
   pair combined at that level, and ``levelk/coef_a_*``, ``levelk/coef_b_*``
   their Adasum coefficients; min/mean/max over that level's pairs. These come
   from the partial dot products the combine computes anyway.
+* with the AdaCons combiner: ``adacons/weight_r`` (per replica r; per
+  variable with ``per_tensor``) and ``adacons/fallbacks`` (combines that fell
+  back to plain averaging), always logged.
 
 Outputs: Keras logs under ``adasum/<variable path>/<statistic>`` for the
 statistics in `logged` (``orthogonality`` by default, ``"all"`` for every one;
@@ -102,6 +105,7 @@ class AdasumDiagnostics(keras.callbacks.Callback):
         self._optimizer: AdasumOptimizer | None = None
         self._writer = None
         self._step = 0
+        self._latest_logged: dict[str, float] = {}
 
     def on_train_begin(self, logs=None):
         self._optimizer = _find_adasum_optimizer(self.model.optimizer)
@@ -120,21 +124,26 @@ class AdasumDiagnostics(keras.callbacks.Callback):
         if step % self.every_n_steps or self._optimizer._diagnostics.variable is None:
             return
         record = self._optimizer.read_diagnostics()
+        adacons = self._optimizer.read_adacons()
         self.records.append((step, record))
         flat = self._flatten(record)
+        self._latest_logged = self._flatten(record, self.logged)
+        if adacons is not None:
+            flat.update(self._flatten_adacons(adacons))
+            self._latest_logged.update(self._flatten_adacons(adacons))
         if logs is not None:
-            logs.update(self._flatten(record, self.logged))
+            logs.update(self._latest_logged)
         if self.jsonl_path is not None:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, "tensors": record}) + "\n")
+                f.write(json.dumps({"step": step, "tensors": record, "adacons": adacons}) + "\n")
         if self._writer is not None:
             with self._writer.as_default():
                 for key, value in flat.items():
                     tf.summary.scalar(key, value, step=step)
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None and self.records:
-            logs.update(self._flatten(self.records[-1][1], self.logged))
+        if logs is not None:
+            logs.update(self._latest_logged)
 
     def on_train_end(self, logs=None):
         if self._writer is not None:
@@ -150,6 +159,14 @@ class AdasumDiagnostics(keras.callbacks.Callback):
             for stat, value in stats.items()
             if selected == "all" or stat in selected
         }
+
+    @staticmethod
+    def _flatten_adacons(adacons: dict) -> dict[str, float]:
+        flat = {f"{LOG_PREFIX}/adacons/fallbacks": float(adacons["fallbacks"])}
+        for name, weights in adacons["weights"].items():
+            prefix = "" if name == "model" else f"{name}/"
+            flat.update({f"{LOG_PREFIX}/adacons/{prefix}weight_{r}": w for r, w in enumerate(weights)})
+        return flat
 
     def _write_png(self):
         import matplotlib

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_adasum import ops
 from tf_adasum.ops import Segments
 
-__all__ = ["Adasum", "Combiner", "Mean", "Sum", "get", "serialize"]
+__all__ = ["AdaCons", "Adasum", "Combiner", "Mean", "Sum", "get", "register", "serialize"]
 
 
 class Combiner:
@@ -31,6 +31,8 @@ class Combiner:
 
     #: The name accepted by `get`.
     name: str = ""
+    #: Whether the combiner is a pair rule of the tree (AdaCons is not).
+    pairwise: bool = True
 
     def prepare(self, flat: tf.Tensor, num_ranks: int) -> tf.Tensor:
         """Applied to each rank's fused buffer before the tree; identity by default."""
@@ -97,8 +99,51 @@ class Mean(Sum):
         return tf.cast(tf.cast(flat, tf.float64) * (1.0 / num_ranks), flat.dtype)
 
 
-_BY_NAME = {cls.name: cls for cls in (Adasum, Sum, Mean)}
-_BY_CLASS_NAME = {cls.__name__: cls for cls in (Adasum, Sum, Mean)}
+class AdaCons(Combiner):
+    """AdaCons, adaptive consensus (Choukroun, Azoulay, Kisilev 2024, arXiv:2411.03742).
+
+    Each replica's update is weighted by how much it agrees with the sum of all
+    updates, with a "subspace momentum" on the sorted weights; see
+    `tf_adasum.reference.adacons` for the exact rule. Not a pair rule: it runs
+    through `tf_adasum.AdasumOptimizer`, which keeps its state (the momentum,
+    identical on every replica and saved in checkpoints) and uses two SUM
+    all-reduces of the vector-halving collective plus a gather of N scalars.
+
+    Args:
+      momentum: the subspace momentum beta in [0, 1) (the authors' demo: 0.99).
+      restore_magnitude: rescale the result to the norm of the mean update.
+        None (default): False in gradient mode (the paper), True in delta mode,
+        where a unit-norm delta would be meaningless.
+      per_tensor: one set of weights per tensor instead of one for the model.
+    """
+
+    name = "adacons"
+    pairwise = False
+
+    def __init__(self, momentum: float = 0.0, restore_magnitude: bool | None = None, per_tensor: bool = False):
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise TypeError(f"`momentum` must be a float. Received: momentum={momentum!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"`momentum` must be in [0, 1). Received: momentum={momentum}")
+        if restore_magnitude is not None and not isinstance(restore_magnitude, bool):
+            raise TypeError(
+                f"`restore_magnitude` must be None or a bool. Received: restore_magnitude={restore_magnitude!r}"
+            )
+        if not isinstance(per_tensor, bool):
+            raise TypeError(f"`per_tensor` must be a bool. Received: per_tensor={per_tensor!r}")
+        self.momentum = float(momentum)
+        self.restore_magnitude = restore_magnitude
+        self.per_tensor = per_tensor
+
+    def combine(self, x, segments, sum_partials):
+        raise TypeError("AdaCons is not a pair rule of the Adasum tree; use it through tf_adasum.AdasumOptimizer.")
+
+    def get_config(self):
+        return {"momentum": self.momentum, "restore_magnitude": self.restore_magnitude, "per_tensor": self.per_tensor}
+
+
+_BY_NAME = {cls.name: cls for cls in (Adasum, Sum, Mean, AdaCons)}
+_BY_CLASS_NAME = {cls.__name__: cls for cls in (Adasum, Sum, Mean, AdaCons)}
 
 
 def register(cls: type[Combiner]) -> type[Combiner]:

@@ -242,6 +242,11 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         zeros otherwise), for diagnostics.
         """
         combiner = combiners_lib.get(combiner)
+        if not combiner.pairwise:
+            raise ValueError(
+                f"{combiner!r} is not a pair rule of the tree; use it through tf_adasum.AdasumOptimizer. "
+                f"Received: combiner={combiner!r}"
+            )
         options = self._options.merge(options) if options is not None else self._options
         values = _check_values(per_replica_values)
         devices = _replica_devices(values[0])

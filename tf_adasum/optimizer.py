@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
+from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
@@ -131,6 +132,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             )
         if not isinstance(hierarchical, bool):
             raise TypeError(f"`hierarchical` must be a bool. Received: hierarchical={hierarchical!r}")
+        if hierarchical and not combiner.pairwise:
+            raise ValueError(
+                f"`hierarchical=True` is not supported with {combiner!r}: its weights compare every replica "
+                "with the consensus. Received: hierarchical=True"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}. Received: backend={backend!r}")
         if backend == "mpi":
@@ -185,6 +191,19 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             self._start_weights = [self.add_variable_from_reference(v, name="adasum_start") for v in var_list]
         if k > 1 and self.mode == "gradient":
             self._accumulators = [self.add_variable_from_reference(v, name="adasum_accumulator") for v in var_list]
+        self._adacons_state = None
+        if not self.combiner.pairwise:
+            groups = len(var_list) if self.combiner.per_tensor else 1
+            shape = (groups, self._distribution_strategy.num_replicas_in_sync)
+            make = lambda name, shape, dtype: _tf_variable(  # noqa: E731
+                self.add_variable(shape=shape, dtype=dtype, initializer="zeros", aggregation="none", name=name)
+            )
+            self._adacons_state = adacons_lib.AdaConsState(
+                momentum=make("adacons_momentum", shape, "float64"),
+                weights=make("adacons_weights", shape, "float64"),
+                steps=make("adacons_steps", (), "int64"),
+                fallbacks=make("adacons_fallbacks", (), "int64"),
+            )
         if self._diagnostics.enabled:
             self._create_diagnostics_variable()
 
@@ -216,6 +235,19 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     def diagnostics_columns(self) -> list[str]:
         """The names of the diagnostics variable's columns."""
         return diagnostics_lib.columns(self._diagnostics.num_replicas, self._diagnostics.with_levels)
+
+    def read_adacons(self) -> dict | None:
+        """AdaCons' last weights ``{variable path or "model": [w_0, ... w_N-1]}`` and
+        its fallback count, or None for other combiners."""
+        state = self._adacons_state
+        if state is None:
+            return None
+        weights = state.weights.numpy()
+        names = [v.path for v in self._trainable_variables] if self.combiner.per_tensor else ["model"]
+        return {
+            "weights": {name: [float(w) for w in row] for name, row in zip(names, weights)},
+            "fallbacks": int(state.fallbacks.numpy()),
+        }
 
     def read_diagnostics(self) -> dict[str, dict[str, float]]:
         """The statistics of the latest combine: ``{variable path: {column: value}}``."""
@@ -288,7 +320,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     def _distributed_step(self, strategy, grads, keras_variables):
         """Cross-replica context: grads are per-replica local mean gradients of
         `keras_variables` (those that have gradients)."""
-        combine = self._make_combine(strategy)
+        combine = self._make_combine(strategy, keras_variables)
         all_finite = self._all_finite(strategy, grads)
         k = self.backward_passes_per_step
 
@@ -301,16 +333,26 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
         tf.cond(all_finite, step, lambda: tf.constant(False))
 
-    def _make_combine(self, strategy):
+    def _make_combine(self, strategy, keras_variables):
         cross_device_ops = self._cross_device_ops(strategy)
         combiner = self._effective_combiner()
         record = self._diagnostics.variable is not None
 
         def combine(per_replica):
-            if not record:
+            if not combiner.pairwise:
+                rows = [self._get_variable_index(v) for v in keras_variables] if combiner.per_tensor else [0]
+                restore = combiner.restore_magnitude
+                restore = self.mode == "delta" if restore is None else restore
+                combined = adacons_lib.combine(
+                    strategy, cross_device_ops, per_replica, combiner, self._adacons_state, rows, restore
+                )
+                partials = []
+            elif record:
+                combined, partials = cross_device_ops.batch_reduce_combine(per_replica, combiner, with_partials=True)
+            else:
                 return cross_device_ops.batch_reduce_combine(per_replica, combiner)
-            combined, partials = cross_device_ops.batch_reduce_combine(per_replica, combiner, with_partials=True)
-            self._record_diagnostics(strategy, per_replica, combined, partials)
+            if record:
+                self._record_diagnostics(strategy, per_replica, combined, partials)
             return combined
 
         return combine

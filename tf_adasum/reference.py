@@ -37,6 +37,7 @@ PairFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 __all__ = [
     "NORM_GUARD",
+    "adacons",
     "adasum_coefficients",
     "adasum_pair",
     "adasum_tree",
@@ -188,3 +189,72 @@ def mean(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
         (np.sum([x.astype(np.float64) for x in values], axis=0) / len(values)).astype(values[0].dtype)
         for values in _per_tensor(per_rank)
     ]
+
+
+# -- AdaCons ---------------------------------------------------------------------------
+
+ADACONS_EPS = 1e-8
+
+
+def adacons(
+    per_rank: Sequence[Sequence[np.ndarray]],
+    state: dict | None = None,
+    momentum: float = 0.0,
+    restore_magnitude: bool = False,
+    per_tensor: bool = False,
+) -> tuple[list[np.ndarray], dict]:
+    """AdaCons (Choukroun, Azoulay, Kisilev 2024, arXiv:2411.03742), in float64.
+
+    For updates g_i (all tensors of a rank together, or each tensor on its own
+    with `per_tensor`): s = sum_i g_i; alpha_i = <g_i, s> / (N (|g_i| + eps));
+    the alphas sorted ascending (stable) give v; m = v on the first step, else
+    momentum * m + (1 - momentum) * v; the replica with the k-th smallest alpha
+    gets m[k]; w = that / its sum (plain averaging when the sum is not a
+    positive finite number); the result is sum_i w_i / (|g_i| + eps) g_i,
+    rescaled to |s / N| with `restore_magnitude`. Identical g_i give g / |g|.
+
+    Args:
+      per_rank: ``per_rank[r]`` is the list of tensors of rank r.
+      state: the previous call's returned state, or None for the first step.
+      momentum: the subspace momentum beta in [0, 1).
+      restore_magnitude: rescale the result to the norm of the mean update.
+      per_tensor: one set of weights per tensor instead of one for the model.
+
+    Returns:
+      ``(result, state)``: one array per tensor (cast to its dtype), and the
+      new state ``{"m": momentum values, "steps": int, "fallbacks": int,
+      "weights": the weights used}``.
+    """
+    values = _per_tensor(per_rank)  # values[t][r]
+    n = len(per_rank)
+    groups = [[t] for t in range(len(values))] if per_tensor else [list(range(len(values)))]
+    state = dict(state) if state else {"m": None, "steps": 0, "fallbacks": 0}
+    new_m, weights_used, result = [], [], [None] * len(values)
+    for group_index, group in enumerate(groups):
+        g = [[values[t][r].astype(np.float64).ravel() for t in group] for r in range(n)]
+        s = [sum(g[r][j] for r in range(n)) for j in range(len(group))]
+        norms = np.array([np.sqrt(sum(np.dot(x, x) for x in g[r])) for r in range(n)])
+        alpha = np.array([sum(np.dot(x, y) for x, y in zip(g[r], s)) for r in range(n)]) / (n * (norms + ADACONS_EPS))
+        order = np.argsort(alpha, kind="stable")
+        v = alpha[order]
+        m = v if state["m"] is None else momentum * np.asarray(state["m"])[group_index] + (1 - momentum) * v
+        out = np.empty(n)
+        out[order] = m
+        total = out.sum()
+        if np.isfinite(total) and total > 0:
+            w = out / total
+        else:
+            w = np.full(n, 1.0 / n)
+            state["fallbacks"] += 1
+        coefficients = w / (norms + ADACONS_EPS)
+        combined = [sum(coefficients[r] * g[r][j] for r in range(n)) for j in range(len(group))]
+        if restore_magnitude:
+            target = np.sqrt(sum(np.dot(x, x) for x in s)) / n
+            current = np.sqrt(sum(np.dot(x, x) for x in combined))
+            combined = [x * (target / current if current > 0 else 0.0) for x in combined]
+        for j, t in enumerate(group):
+            result[t] = combined[j].reshape(values[t][0].shape).astype(values[t][0].dtype)
+        new_m.append(m)
+        weights_used.append(w)
+    state.update(m=np.array(new_m), steps=state["steps"] + 1, weights=np.array(weights_used))
+    return result, state

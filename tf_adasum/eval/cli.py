@@ -25,13 +25,14 @@ __all__ = ["PRESETS", "main"]
 
 def _quick() -> list[RunConfig]:
     """Effective batch 1024 on 4 in-process replicas: Adasum, averaging (through
-    the same collective), Keras' own averaging, and Adasum with 4 local steps."""
+    the same collective), Keras' own averaging, Adasum with 4 local steps, and AdaCons."""
     common = dict(model="lenet5", dataset="mnist", replicas=4, lr=1e-3, target=0.98, epochs=12)
     return [
         RunConfig(combiner="adasum", batch_per_replica=256, **common),
         RunConfig(combiner="mean", batch_per_replica=256, **common),
         RunConfig(combiner="keras", batch_per_replica=256, **common),
         RunConfig(combiner="adasum", batch_per_replica=64, local_steps=4, **common),
+        RunConfig(combiner="adacons", batch_per_replica=256, **common),
     ]
 
 

@@ -23,7 +23,7 @@ from tf_adasum.eval.models import TRAINING_MODELS
 
 __all__ = ["COMBINERS", "ENGINES", "RunConfig", "run"]
 
-COMBINERS = ("adasum", "mean", "sum", "keras")
+COMBINERS = ("adasum", "adacons", "mean", "sum", "keras")
 ENGINES = ("local-devices", "tf-collective", "mpi")
 
 
