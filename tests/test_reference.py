@@ -163,31 +163,33 @@ def _above_guard(*xs):
     return all(np.dot(x.ravel(), x.ravel()) >= reference.NORM_GUARD for x in xs)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(_pairs())
 def test_symmetric(pair):
     a, b = pair
     np.testing.assert_allclose(reference.adasum_pair(a, b), reference.adasum_pair(b, a), rtol=1e-12, atol=0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(_pairs(), st.sampled_from([1e-10, 0.5, 3.0, 1e10]))
 def test_positively_homogeneous(pair, scale):
     a, b = pair
     if not _above_guard(a, b, a * scale, b * scale):
         return
     expected = scale * reference.adasum_pair(a, b)
-    np.testing.assert_allclose(reference.adasum_pair(scale * a, scale * b), expected, rtol=1e-9, atol=1e-300)
+    # Relative to the vector: elements far below its largest may be subnormal.
+    atol = max(1e-12 * np.abs(expected).max(), 1e-300)
+    np.testing.assert_allclose(reference.adasum_pair(scale * a, scale * b), expected, rtol=1e-9, atol=atol)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(_pairs())
 def test_odd(pair):
     a, b = pair
     np.testing.assert_allclose(reference.adasum_pair(-a, -b), -reference.adasum_pair(a, b), rtol=1e-15, atol=0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(_pairs())
 def test_idempotent_and_orthogonal(pair):
     a, b = pair
