@@ -384,3 +384,16 @@ def test_constraints_and_slots_follow_the_right_variables(k):
     np.testing.assert_array_equal(layer.unused.numpy(), np.ones(OUT))
     assert (layer.kernel.numpy() >= 0).all() and (layer.kernel.numpy() > 0).any()
     _assert_identical(strategy, model.weights)
+
+
+def test_ema_follows_the_right_variables_when_a_subset_is_applied():
+    # One replica: the wrapper is the inner optimizer plus its own EMA; applying
+    # gradients to the second variable only must average that variable.
+    first = keras.Variable(np.zeros(2, np.float32), name="first")
+    second = keras.Variable(np.ones(3, np.float32), name="second")
+    optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.5), use_ema=True, ema_momentum=0.5)
+    optimizer.build([first, second])
+    optimizer.apply_gradients([(tf.ones(3), second)])
+    first_average, second_average = optimizer._model_variables_moving_average
+    np.testing.assert_array_equal(second_average.numpy(), second.numpy())  # the first update copies the weights
+    np.testing.assert_array_equal(first_average.numpy(), first.numpy())

@@ -21,6 +21,7 @@ and does itself what ``apply()`` does.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import keras
@@ -40,8 +41,6 @@ _MPI_WORLD_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "M
 
 
 def _launched_by_mpi() -> bool:
-    import os
-
     for name in _MPI_WORLD_SIZE_VARIABLES:
         try:
             if int(os.environ.get(name, "1")) > 1:
@@ -281,7 +280,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             self._check_single_process()
             if self.backward_passes_per_step == 1:
                 self.inner_optimizer.apply(grads, trainable_variables)
-                self._update_ema(trainable_variables)
+                self._update_ema()
                 return
         grads, variables = self._filter_empty_gradients(list(grads), trainable_variables)
         if not grads:
@@ -462,25 +461,26 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
                 strategy.extended.update(
                     _tf_variable(keras_variable), lambda v, c=keras_variable.constraint: v.assign(c(v)), group=False
                 )
-        self._update_ema(self._trainable_variables)
+        self._update_ema()
 
-    def _update_ema(self, trainable_variables):
+    def _update_ema(self):
         """EMA of the combined weights, after each combine, as Keras does after each step.
 
-        The averages start at zero; the first combine copies the weights.
+        The averages, one per variable the optimizer was built with (whatever
+        subset a step updates), start at zero; the first combine copies the weights.
         """
         if not self.use_ema:
             return
         local_steps_per_combine = self.backward_passes_per_step if self.mode == "delta" else 1
         first = self.iterations <= local_steps_per_combine
-        for variable, average in zip(trainable_variables, self._model_variables_moving_average):
+        for variable, average in zip(self._trainable_variables, self._model_variables_moving_average):
             momentum = tf.where(first, tf.zeros([], variable.dtype), tf.cast(self.ema_momentum, variable.dtype))
             average.assign(momentum * average + (1 - momentum) * variable)
         if self.ema_overwrite_frequency:
             overwrite = tf.equal(self.iterations % self.ema_overwrite_frequency, 0)
 
             def do_overwrite():
-                self._overwrite_model_variables_with_average_value(trainable_variables)
+                self._overwrite_model_variables_with_average_value(self._trainable_variables)
                 return tf.constant(True)
 
             tf.cond(overwrite, do_overwrite, lambda: tf.constant(False))
