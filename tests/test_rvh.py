@@ -14,7 +14,8 @@ B = BLOCK
 
 def test_segments_of_a_slice_straddling_tensors():
     # Tensors of 3, 5 and 2 blocks; 12 blocks in all (the last tensor owns the padding).
-    bucket = rvh.Bucket(tf.float32, indices=(0, 1, 2), sizes=(3 * B, 5 * B - 7, 1), blocks=(3, 5, 1), total_blocks=12)
+    bucket = rvh.Bucket(tf.float32, indices=(0, 1, 2), sizes=(3 * B, 5 * B - 7, 1), total_blocks=12)
+    assert bucket.blocks == (3, 5, 1)
     assert bucket.padded_length == 12 * B
     assert bucket.starts() == [0, 3 * B, 8 * B]
     assert bucket.segments(0, 12 * B) == Segments(0, (3, 5, 4), 3)

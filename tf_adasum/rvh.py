@@ -85,6 +85,10 @@ class PairRule(Protocol):
         """
 
 
+def _num_blocks(size: int) -> int:
+    return -(-size // BLOCK)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """Tensors of one dtype fused into one flat buffer, in blocks of `BLOCK`.
@@ -96,7 +100,6 @@ class Bucket:
       dtype: the common dtype.
       indices: positions of the fused tensors in the caller's list.
       sizes: their element counts (all > 0), in order.
-      blocks: the number of blocks of each tensor.
       total_blocks: the buffer's block count, a multiple of the tree's leaf
         count so that every halving is exact; the extra blocks belong to the
         last tensor. Padding zeros add nothing to dot products and are dropped.
@@ -105,8 +108,12 @@ class Bucket:
     dtype: tf.DType
     indices: tuple[int, ...]
     sizes: tuple[int, ...]
-    blocks: tuple[int, ...]
     total_blocks: int
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The number of blocks of each tensor."""
+        return tuple(_num_blocks(size) for size in self.sizes)
 
     @property
     def padded_length(self) -> int:
@@ -157,11 +164,8 @@ def make_buckets(
     closed.sort(key=lambda members: members[0])
     buckets = []
     for members in closed:
-        blocks = tuple(-(-sizes[i] // BLOCK) for i in members)
-        total_blocks = -(-sum(blocks) // leaves) * leaves
-        buckets.append(
-            Bucket(dtypes[members[0]], tuple(members), tuple(sizes[i] for i in members), blocks, total_blocks)
-        )
+        total_blocks = -(-sum(_num_blocks(sizes[i]) for i in members) // leaves) * leaves
+        buckets.append(Bucket(dtypes[members[0]], tuple(members), tuple(sizes[i] for i in members), total_blocks))
     return buckets
 
 
