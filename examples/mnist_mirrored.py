@@ -37,21 +37,14 @@ def main(argv=None):
     import keras
 
     import tf_adasum
-    from tf_adasum.eval.data import load_mnist
+    from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_mnist()
-    x_train = (x_train[..., None] / 255.0).astype("float32")
-    x_test = (x_test[..., None] / 255.0).astype("float32")
+    x_test = as_float_images(x_test)
     global_batch = args.batch_per_replica * args.replicas
-    train = (
-        tf.data.Dataset.from_tensor_slices((x_train, y_train.astype("int32")))
-        .shuffle(60000, seed=args.seed)
-        .repeat()  # one iterator for all epochs (see the README: epoch-time stalls)
-        .batch(global_batch)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+    train, steps_per_epoch = training_stream(x_train, y_train, global_batch, args.seed)
 
     devices = [f"/cpu:{i}" for i in range(args.replicas)]
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf_adasum.AdasumCrossDeviceOps())
@@ -87,7 +80,7 @@ def main(argv=None):
     model.fit(
         train,
         epochs=args.epochs,
-        steps_per_epoch=-(-len(x_train) // global_batch),
+        steps_per_epoch=steps_per_epoch,
         verbose=2,
         callbacks=[EpochTimer(), TestAccuracy(), diagnostics],
     )

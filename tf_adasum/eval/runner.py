@@ -121,6 +121,7 @@ def run(
     import tensorflow as tf
 
     import tf_adasum
+    from tf_adasum.eval.data import as_float_images, training_stream
     from tf_adasum.eval.models import build
 
     config.validate()
@@ -130,18 +131,9 @@ def run(
         x_train, y_train = x_train[: config.train_examples], y_train[: config.train_examples]
     if config.test_examples:
         x_test, y_test = x_test[: config.test_examples], y_test[: config.test_examples]
-    x_train = (x_train[..., None] / 255.0).astype("float32")
-    x_test = (x_test[..., None] / 255.0).astype("float32")
+    x_test = as_float_images(x_test)
     global_batch = config.replicas * config.batch_per_replica
-    # One iterator for the whole run: an iterator over a finite dataset, made
-    # and destroyed by every epoch, stalled its teardown by ~10-40 s at times.
-    train = (
-        tf.data.Dataset.from_tensor_slices((x_train, y_train.astype("int32")))
-        .shuffle(len(x_train), seed=config.seed, reshuffle_each_iteration=True)
-        .repeat()
-        .batch(global_batch)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+    train, steps_per_epoch = training_stream(x_train, y_train, global_batch, config.seed)
     strategy = tf.distribute.MirroredStrategy(
         devices[: config.replicas], cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
     )
@@ -168,7 +160,6 @@ def run(
             if stop_at_target and accuracy[-1] >= config.target:
                 self.model.stop_training = True
 
-    steps_per_epoch = -(-len(x_train) // global_batch)
     model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
     epochs = metrics.epochs_until_convergence(accuracy, config.target)
     minutes_per_epoch = statistics.median(seconds) / 60.0
