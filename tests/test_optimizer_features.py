@@ -310,7 +310,6 @@ def test_checkpoint_restore_in_delta_mode_gives_replica_0_slots_everywhere(tmp_p
         ({"backward_passes_per_step": 1.5}, TypeError, "Received: backward_passes_per_step=1.5"),
         ({"hierarchical": "yes"}, TypeError, "Received: hierarchical='yes'"),
         ({"backend": "nccl"}, ValueError, "Received: backend='nccl'"),
-        ({"backend": "mpi"}, NotImplementedError, "backend='mpi'"),
         ({"learning_rate": 0.1}, ValueError, "does not support arguments: `learning_rate`"),
     ],
 )

@@ -47,11 +47,13 @@ def _check_keras_backend() -> None:
 
 _check_keras_backend()
 
-from tf_adasum import combiners, reference  # noqa: E402
+from tf_adasum import combiners, compat, reference  # noqa: E402
 from tf_adasum.callbacks import AdasumDiagnostics  # noqa: E402
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps  # noqa: E402
 from tf_adasum.ops import adasum_pair  # noqa: E402
 from tf_adasum.optimizer import AdasumOptimizer  # noqa: E402
+
+compat.patch_keras_multiworker_fit()  # keras-team/keras#20585, multi-worker strategies only
 
 __all__ = [
     "AdasumCrossDeviceOps",

@@ -81,21 +81,72 @@ def _check_values(per_replica_values: Sequence[Any]) -> list[tuple[tf.Tensor, ..
     return values
 
 
-def _replica_devices(components: Sequence[tf.Tensor]) -> tuple[str, ...]:
-    """The device of each replica: the active strategy's replica devices, else
-    (outside any strategy) the devices the components live on. (Eager tensors
-    made from host data sit on the first CPU whatever their replica.)"""
+def cluster_devices(strategy) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """All replica devices of `strategy` in global replica order, and the
+    global ranks of this process's replicas.
+
+    One process: its worker devices, ranks 0..N-1. `MultiWorkerMirroredStrategy`
+    across processes: every task's devices (chief first, then workers by
+    index; each worker has as many devices as this one, as the strategy
+    itself assumes), this process's at ``id_in_cluster * local count``.
+    """
+    extended = strategy.extended
+    local = tuple(extended.worker_devices)
+    num_workers = getattr(extended, "_num_workers", 1)
+    if num_workers == 1:
+        return local, tuple(range(len(local)))
+    cluster = extended._cluster_spec.as_dict()
+    tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
+    tasks += [("worker", i) for i in range(len(cluster.get("worker", [])))]
+    specs = [tf.DeviceSpec.from_string(d) for d in local]
+    devices = tuple(spec.replace(job=job, replica=0, task=task).to_string() for job, task in tasks for spec in specs)
+    offset = extended._id_in_cluster * len(local)
+    return devices, tuple(range(offset, offset + len(local)))
+
+
+def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float | None = None) -> list[float]:
+    """Eagerly sums a few float64 numbers over the worker processes of
+    `strategy` (each worker contributes once), with one raw collective on each
+    worker's first device: usable before any variable exists and outside any
+    replica context. Every worker must call it at the same point."""
+    devices, ranks = cluster_devices(strategy)
+    per_worker = len(ranks)
+    leaders = [devices[w] for w in range(0, len(devices), per_worker)]
+    if len(leaders) == 1:
+        return [float(v) for v in values]
+    mine = leaders[ranks[0] // per_worker]
+    group_key = collective.KEYS.group_key(leaders)
+    instance_key = collective.KEYS.instance_key(group_key, mine)
+    with tf.init_scope(), tf.device(mine):
+        total = tf.raw_ops.CollectiveReduceV2(
+            input=tf.constant(list(values), tf.float64),
+            group_size=len(leaders),
+            group_key=group_key,
+            instance_key=instance_key,
+            ordering_token=[],
+            merge_op="Add",
+            final_op="Id",
+            timeout_seconds=float(timeout_seconds or 0),
+        )
+        return [float(v) for v in total.numpy()]
+
+
+def _replica_devices(components: Sequence[tf.Tensor]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The device of every replica (global order) and the ranks of `components`:
+    from the active strategy, else (outside any strategy) the devices the
+    components live on. (Eager tensors made from host data sit on the first CPU
+    whatever their replica.)"""
     if tf.distribute.has_strategy():
-        devices = tuple(tf.distribute.get_strategy().extended.worker_devices)
+        devices, ranks = cluster_devices(tf.distribute.get_strategy())
     else:
         devices = tuple(c.device for c in components)
-    num_replicas = len(components)
-    if len(devices) != num_replicas or len(set(devices)) != num_replicas or not all(devices):
+        ranks = tuple(range(len(devices)))
+    if len(ranks) != len(components) or len(set(devices)) != len(devices) or not all(devices):
         raise ValueError(
-            f"Each of the {num_replicas} replicas needs its own device; call this inside the strategy's "
-            f"scope or on values placed on distinct devices. Received: devices {devices}"
+            f"Each of the {len(components)} local replicas needs its own device; call this inside the "
+            f"strategy's scope or on values placed on distinct devices. Received: devices {devices}"
         )
-    return devices
+    return devices, ranks
 
 
 def combine_on_devices(
@@ -156,16 +207,40 @@ def combine_on_devices(
 
 
 def local_communicators(
-    devices: Sequence[str], timeout_seconds: float | None
+    devices: Sequence[str], timeout_seconds: float | None, ranks: Sequence[int] | None = None
 ) -> list[collective.TFCollectiveCommunicator]:
-    """TF collective communicators for replicas that all live in this process."""
+    """TF collective communicators for this process's replicas.
+
+    Args:
+      devices: every replica's device, in global rank order (all processes).
+      timeout_seconds: collective timeout (None or 0: wait forever).
+      ranks: the global ranks living in this process (default: all of them).
+    """
+    ranks = range(len(devices)) if ranks is None else ranks
     collective.register_groups(devices, rvh.groups(len(devices)))
-    return [collective.TFCollectiveCommunicator(devices, r, timeout_seconds) for r in range(len(devices))]
+    return [collective.TFCollectiveCommunicator(devices, r, timeout_seconds) for r in ranks]
 
 
-def _build(values, devices, combiner, bytes_per_bucket, timeout_seconds, with_partials):
-    comms = local_communicators(devices, timeout_seconds)
-    return combine_on_devices(values, comms, combiner, bytes_per_bucket, with_partials)
+def _build(values, devices, ranks, combiner, bytes_per_bucket, timeout_seconds, with_partials, hierarchical):
+    if not hierarchical:
+        comms = local_communicators(devices, timeout_seconds, ranks)
+        return combine_on_devices(values, comms, combiner, bytes_per_bucket, with_partials)
+    # The mean of this worker's replicas, then the combine across workers: the
+    # replicas with local index l on every worker form tree l (identical inputs,
+    # so every replica ends with the same result).
+    local_devices = [devices[r] for r in ranks]
+    if len(local_devices) > 1:
+        local_comms = local_communicators(local_devices, timeout_seconds)
+        means = combine_on_devices(values, local_comms, combiners_lib.Mean(), bytes_per_bucket)
+        values = [tuple(means[local][i] for local in range(len(ranks))) for i in range(len(values))]
+    num_local = len(ranks)
+    worker = ranks[0] // num_local
+    cross_comms = []
+    for local in range(num_local):
+        tree = [devices[w * num_local + local] for w in range(len(devices) // num_local)]
+        collective.register_groups(tree, rvh.groups(len(tree)))
+        cross_comms.append(collective.TFCollectiveCommunicator(tree, worker, timeout_seconds))
+    return combine_on_devices(values, cross_comms, combiner, bytes_per_bucket, with_partials)
 
 
 class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
@@ -232,7 +307,12 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         return self.batch_reduce_combine(per_replica_values, "adasum", options)
 
     def batch_reduce_combine(
-        self, per_replica_values: Sequence[Any], combiner="adasum", options=None, with_partials: bool = False
+        self,
+        per_replica_values: Sequence[Any],
+        combiner="adasum",
+        options=None,
+        with_partials: bool = False,
+        hierarchical: bool = False,
     ):
         """Like `batch_reduce_adasum`, with any combiner (name or object).
 
@@ -240,6 +320,10 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         per-replica float64 ``[levels, len(values), 3]`` tensor of the partial
         sums [a.b, |a|^2, |b|^2] each replica holds per tree level (Adasum only;
         zeros otherwise), for diagnostics.
+
+        With `hierarchical`, the replicas of each worker are averaged first and
+        the combiner runs across workers on those means (one worker: the mean
+        of its replicas). `with_partials` then describes the tree across workers.
         """
         combiner = combiners_lib.get(combiner)
         if not combiner.pairwise:
@@ -249,20 +333,29 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
             )
         options = self._options.merge(options) if options is not None else self._options
         values = _check_values(per_replica_values)
-        devices = _replica_devices(values[0])
+        single = len(values[0]) == 1 and getattr(tf.distribute.get_strategy().extended, "_num_workers", 1) == 1
+        devices, ranks = ((None,), (0,)) if single else _replica_devices(values[0])
         if len(devices) == 1:
             combined = [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]
             if with_partials:
                 return combined, tf.zeros([0, len(values), 3], tf.float64)
             return combined
-        build_args = (devices, combiner, options.bytes_per_pack, options.timeout_seconds, with_partials)
+        build_args = (
+            devices,
+            ranks,
+            combiner,
+            options.bytes_per_pack,
+            options.timeout_seconds,
+            with_partials,
+            hierarchical,
+        )
         if tf.executing_eagerly():
             built = self._eager_fn(*build_args)(values)
         else:
             built = _build(values, *build_args)
         outputs, partials = built if with_partials else (built, None)
         combined = [
-            distribute_utils.regroup(tuple(outputs[r][i] for r in range(len(devices))), wrap_class=values_lib.Mirrored)
+            distribute_utils.regroup(tuple(outputs[r][i] for r in range(len(ranks))), wrap_class=values_lib.Mirrored)
             for i in range(len(values))
         ]
         if with_partials:
@@ -304,7 +397,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     def _fallback_for_value(self, value) -> tf.distribute.CrossDeviceOps:
         components = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
-        return self.fallback_for(_replica_devices(components))
+        return self.fallback_for(_replica_devices(components)[0])
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         return self._fallback_for_value(per_replica_value).reduce_implementation(

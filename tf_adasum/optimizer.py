@@ -21,33 +21,33 @@ and does itself what ``apply()`` does.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
-from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
+from tf_adasum import mpi as mpi_lib
+from tf_adasum.comm import mpi as mpi_engine
+from tf_adasum.cross_device_ops import AdasumCrossDeviceOps, sum_over_workers
 
 __all__ = ["AdasumOptimizer"]
 
 MODES = ("delta", "gradient")
 BACKENDS = ("auto", "tf", "mpi")
-_MPI_WORLD_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+
+#: Three 10-bit digests of the variable list travel with the per-step finite
+#: check; sums of d and d^2 stay exact in float64 for up to 4096 replicas.
+_DIGESTS, _DIGEST_BITS = 3, 10
 
 
-def _launched_by_mpi() -> bool:
-    for name in _MPI_WORLD_SIZE_VARIABLES:
-        try:
-            if int(os.environ.get(name, "1")) > 1:
-                return True
-        except ValueError:
-            continue
-    return False
+def _variable_digests(variables) -> list[float]:
+    digest = int(mpi_lib.signature_digest(mpi_lib.variable_signature(variables)), 16)
+    return [float((digest >> (_DIGEST_BITS * i)) & ((1 << _DIGEST_BITS) - 1)) for i in range(_DIGESTS)]
 
 
 class _DiagnosticsState:
@@ -58,6 +58,12 @@ class _DiagnosticsState:
         self.variable: tf.Variable | None = None
         self.num_replicas = 1
         self.with_levels = False
+
+
+def _has_value(variable) -> bool:
+    """False for a variable created in a `tf.function` being traced (it is
+    initialised when the function first runs; reading it gives an empty array)."""
+    return np.shape(variable.numpy()) == tuple(variable.shape)
 
 
 def _tf_variable(variable):
@@ -138,11 +144,6 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             )
         if backend not in BACKENDS:
             raise ValueError(f"`backend` must be one of {BACKENDS}. Received: backend={backend!r}")
-        if backend == "mpi":
-            raise NotImplementedError(
-                "backend='mpi' is not available yet (the MPI engine is being built); "
-                "use backend='tf' with a tf.distribute strategy."
-            )
         super().__init__(
             learning_rate=0.0,
             name=name,
@@ -157,6 +158,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self.hierarchical = hierarchical
         self.backend = backend
         self._own_cross_device_ops: AdasumCrossDeviceOps | None = None
+        self._mpi_ops: mpi_engine.MPIOps | None = None
         self._diagnostics = _DiagnosticsState()
 
     # -- forwarding, as keras.optimizers.LossScaleOptimizer does ---------------
@@ -178,6 +180,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         return self._variables + self.inner_optimizer.variables
 
     def build(self, var_list):
+        self._check_same_variables(var_list)
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._local_steps = self.add_variable(
@@ -205,6 +208,89 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             )
         if self._diagnostics.enabled:
             self._create_diagnostics_variable()
+        if self._uses_mpi(self._distribution_strategy):
+            if not self.combiner.pairwise:
+                raise NotImplementedError(
+                    f"{self.combiner!r} is not available on the MPI engine yet; use it with a tf.distribute strategy."
+                )
+            self._synchronize_ranks(var_list)
+
+    # -- engines -----------------------------------------------------------------
+
+    def _uses_mpi(self, strategy) -> bool:
+        """Whether this optimizer combines over MPI ranks (see `backend`).
+
+        Raises for combinations it cannot serve, rather than train locally only.
+        """
+        multi_replica = strategy.num_replicas_in_sync > 1
+        launched = mpi_engine.launched_by_mpi()
+        if multi_replica and (self.backend == "mpi" or (self.backend == "auto" and launched)):
+            raise ValueError(
+                f"AdasumOptimizer(backend={self.backend!r}) in a process started by an MPI launcher cannot also "
+                f"combine the {strategy.num_replicas_in_sync} replicas of a tf.distribute strategy: run one MPI "
+                "rank per device without a strategy, or use MultiWorkerMirroredStrategy (TF_CONFIG) without mpirun."
+            )
+        if multi_replica:
+            return False
+        if self.backend == "tf" and launched:
+            raise ValueError(
+                "AdasumOptimizer(backend='tf') has one replica in a process started by an MPI launcher, so it "
+                "would train each rank alone. Use backend='auto' or 'mpi' under mpirun, or a multi-replica "
+                "tf.distribute strategy."
+            )
+        return self.backend == "mpi" or (self.backend == "auto" and launched)
+
+    def _check_same_variables(self, var_list):
+        """Across processes, before any optimizer variable is created (their
+        creation is itself a collective): a clear error on every process when
+        the trainable variable lists (shapes, dtypes, order) differ."""
+        strategy = self._distribution_strategy
+        if self._uses_mpi(strategy):
+            with tf.init_scope():
+                self._mpi()  # MPI and its sub-communicators, created in the same order on every rank
+                mpi_lib.check_same_variables(var_list, "trainable variables")
+            return
+        if getattr(strategy.extended, "_num_workers", 1) == 1:
+            return
+        digests = _variable_digests(var_list)
+        options = getattr(strategy.extended, "_communication_options", None)
+        timeout = options.timeout_seconds if options is not None else None
+        totals = sum_over_workers(strategy, [1.0] + [x for d in digests for x in (d, d * d)], timeout)
+        workers = totals[0]
+        if any(workers * totals[2 + 2 * i] != totals[1 + 2 * i] ** 2 for i in range(len(digests))):
+            signature = mpi_lib.variable_signature(var_list)
+            raise ValueError(
+                "The trainable variables differ across the workers of the MultiWorkerMirroredStrategy "
+                f"(shapes, dtypes or order); every worker must build the same model. This worker "
+                f"(task {strategy.extended._id_in_cluster}) has {len(signature)}: {signature[:8]}"
+                f"{' ...' if len(signature) > 8 else ''}"
+            )
+
+    def _mpi(self) -> mpi_engine.MPIOps:
+        if self._mpi_ops is None:
+            self._mpi_ops = mpi_engine.MPIOps()
+        return self._mpi_ops
+
+    def _synchronize_ranks(self, var_list):
+        """MPI: gives every rank rank 0's model and optimizer variables (after
+        `_check_same_variables`).
+        Runs eagerly, before the first step (also when built while tracing).
+
+        Optimizer variables that this build creates inside a `tf.function`
+        have no value yet; they start from their initializers (zeros), the same
+        on every rank. Model variables must have values by then.
+        """
+        with tf.init_scope():
+            unset = [v.path for v in var_list if not _has_value(v)]
+            if unset:
+                raise ValueError(
+                    "Under MPI, AdasumOptimizer broadcasts rank 0's weights before the first step, but these "
+                    f"variables have no value yet: {unset[:5]}. Build the model before training (give it an "
+                    "`keras.Input`, or call `model.build(input_shape)`)."
+                )
+            own = [v for v in self.variables if _has_value(v)]
+            mpi_lib.check_same_variables(own, "optimizer variables")
+            mpi_lib.broadcast_variables(list(var_list) + own, root_rank=0)
 
     # -- diagnostics (see tf_adasum.AdasumDiagnostics) ------------------------------
 
@@ -218,6 +304,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def _create_diagnostics_variable(self):
         strategy = self._distribution_strategy
+        if self._uses_mpi(strategy) or getattr(strategy.extended, "_num_workers", 1) > 1:
+            raise NotImplementedError(
+                "AdasumDiagnostics is available on one worker (MirroredStrategy) only: across worker "
+                "processes or MPI ranks each process sees only its own replicas' deltas."
+            )
         state = self._diagnostics
         state.num_replicas = strategy.num_replicas_in_sync
         state.with_levels = isinstance(self._effective_combiner(), combiners_lib.Adasum) and state.num_replicas > 1
@@ -276,12 +367,10 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             raise ValueError("AdasumOptimizer.apply() must be called in a replica context.")
         strategy = tf.distribute.get_strategy()
         num_replicas = strategy.num_replicas_in_sync
-        if num_replicas == 1:
-            self._check_single_process()
-            if self.backward_passes_per_step == 1:
-                self.inner_optimizer.apply(grads, trainable_variables)
-                self._update_ema()
-                return
+        if num_replicas == 1 and not self._uses_mpi(strategy) and self.backward_passes_per_step == 1:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            self._update_ema()
+            return
         grads, variables = self._filter_empty_gradients(list(grads), trainable_variables)
         if not grads:
             return
@@ -290,20 +379,12 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             local = [tf.convert_to_tensor(g) * tf.cast(unscale, g.dtype) for g in grads]
             tf.distribute.get_replica_context().merge_call(self._distributed_step, args=(local, variables))
 
-    def _check_single_process(self):
-        if self.backend == "auto" and _launched_by_mpi():
-            raise NotImplementedError(
-                "This process was started by an MPI launcher with several ranks, but the MPI engine is "
-                "not available yet; AdasumOptimizer refuses to train locally only. Use a tf.distribute "
-                "strategy (MirroredStrategy) instead."
-            )
-
-    def _cross_device_ops(self, strategy) -> AdasumCrossDeviceOps:
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            raise NotImplementedError(
-                "AdasumOptimizer under MultiWorkerMirroredStrategy is not available yet; "
-                "use MirroredStrategy on one machine."
-            )
+    def _cross_device_ops(self, strategy):
+        """What combines: MPI ranks, or the strategy's replicas over TF collectives
+        (the strategy's AdasumCrossDeviceOps if it has one, else our own with the
+        strategy's communication options, e.g. its collective timeout)."""
+        if self._uses_mpi(strategy):
+            return self._mpi()
         ours = getattr(strategy.extended, "_cross_device_ops", None)
         if isinstance(ours, AdasumCrossDeviceOps):
             return ours
@@ -312,15 +393,19 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             self._own_cross_device_ops = AdasumCrossDeviceOps(options=options)
         return self._own_cross_device_ops
 
+    def _num_combined(self, strategy) -> int:
+        """The number of replicas whose updates are combined."""
+        return self._mpi().num_replicas if self._uses_mpi(strategy) else strategy.num_replicas_in_sync
+
     def _effective_combiner(self) -> combiners_lib.Combiner:
-        # One worker: the hierarchical combine is the mean of the local replicas.
+        # For diagnostics, on one worker: the hierarchical combine is the mean of the local replicas.
         return combiners_lib.Mean() if self.hierarchical else self.combiner
 
     def _distributed_step(self, strategy, grads, keras_variables):
         """Cross-replica context: grads are per-replica local mean gradients of
         `keras_variables` (those that have gradients)."""
         combine = self._make_combine(strategy, keras_variables)
-        all_finite = self._all_finite(strategy, grads)
+        all_finite = self._agree(strategy, grads, keras_variables)
         k = self.backward_passes_per_step
 
         def step():
@@ -334,10 +419,14 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def _make_combine(self, strategy, keras_variables):
         cross_device_ops = self._cross_device_ops(strategy)
-        combiner = self._effective_combiner()
+        combiner = self.combiner
         record = self._diagnostics.variable is not None
 
+        hierarchical = self.hierarchical
+
         def combine(per_replica):
+            if isinstance(cross_device_ops, mpi_engine.MPIOps):
+                return cross_device_ops.batch_reduce_combine(per_replica, combiner, hierarchical=hierarchical)
             if not combiner.pairwise:
                 rows = [self._get_variable_index(v) for v in keras_variables] if combiner.per_tensor else [0]
                 restore = combiner.restore_magnitude
@@ -347,9 +436,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
                 )
                 partials = []
             elif record:
-                combined, partials = cross_device_ops.batch_reduce_combine(per_replica, combiner, with_partials=True)
+                combined, partials = cross_device_ops.batch_reduce_combine(
+                    per_replica, self.combiner, with_partials=True, hierarchical=hierarchical
+                )
             else:
-                return cross_device_ops.batch_reduce_combine(per_replica, combiner)
+                return cross_device_ops.batch_reduce_combine(per_replica, self.combiner, hierarchical=hierarchical)
             if record:
                 self._record_diagnostics(strategy, per_replica, combined, partials)
             return combined
@@ -367,16 +458,40 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         )
         self._diagnostics.variable.assign(statistics)
 
-    @staticmethod
-    def _all_finite(strategy, grads) -> tf.Tensor:
-        """True when every replica's gradients are finite (the same on all replicas)."""
+    def _agree(self, strategy, grads, keras_variables) -> tf.Tensor:
+        """One tiny all-reduce per step, before any combine: True when every
+        replica's gradients are finite (the same answer on all replicas); and an
+        error on every replica when the replicas' variable lists (shapes,
+        dtypes, order) differ, instead of mismatched collectives that hang."""
+        digests = _variable_digests(keras_variables)
 
-        def non_finite(*local_grads):
+        def local_vector(*local_grads):
             ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in local_grads])
-            return tf.cast(tf.logical_not(ok), tf.float32)
+            statistics = [tf.cast(tf.logical_not(ok), tf.float64)]
+            for d in digests:
+                statistics += [tf.constant(d, tf.float64), tf.constant(d * d, tf.float64)]
+            return tf.stack(statistics)
 
-        per_replica = strategy.extended.call_for_each_replica(non_finite, args=tuple(grads))
-        return tf.equal(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None), 0.0)
+        per_replica = strategy.extended.call_for_each_replica(local_vector, args=tuple(grads))
+        cross = self._cross_device_ops(strategy)
+        if isinstance(cross, mpi_engine.MPIOps):
+            total = cross.sum(per_replica)
+        else:
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+        n = tf.constant(float(self._num_combined(strategy)), tf.float64)
+        # n * sum(d^2) == sum(d)^2 exactly when every replica has the same digest.
+        same = tf.reduce_all(tf.equal(n * total[2::2], tf.square(total[1::2])))
+        signature = mpi_lib.variable_signature(keras_variables)
+        check = tf.debugging.Assert(
+            same,
+            [
+                "AdasumOptimizer: the replicas' variable lists differ (shapes, dtypes or order); every "
+                f"replica must build the same model. This replica has {len(signature)} variables: "
+                f"{signature[:8]}{' ...' if len(signature) > 8 else ''}"
+            ],
+        )
+        with tf.control_dependencies([check]):
+            return tf.equal(total[0], 0.0)
 
     def _step(self, strategy, combine, grads, keras_variables):
         variables = [_tf_variable(v) for v in keras_variables]

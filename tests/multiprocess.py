@@ -1,0 +1,77 @@
+"""Checks shared by the multi-process tests (MultiWorkerMirroredStrategy and
+MPI): they read what `tests/workers/distributed_worker.py` wrote and compare it
+with `tf_adasum.reference` and the numpy simulation."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+from conftest import TOLERANCE, relative_error
+from simulation import SGD, simulate
+from simulation import data as simulation_data
+
+from tf_adasum import reference
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(TESTS, "workers", "distributed_worker.py")
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker()
+
+
+def worker_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow", **extra)
+    return env
+
+
+def check_collective(out: str, n: int) -> None:
+    """Every rank's result equals `adasum_tree` of the inputs rounded to their
+    dtype, and all ranks hold bitwise identical results."""
+    dtypes = worker.tensor_dtypes()
+    per_rank = [
+        [np.asarray(tf.cast(tf.cast(x, dtype), tf.float64)) for x, dtype in zip(worker.collective_inputs(r), dtypes)]
+        for r in range(n)
+    ]
+    expected = reference.adasum_tree(per_rank)
+    results = [np.load(os.path.join(out, f"collective_rank{r}.npz")) for r in range(n)]
+    for i, (dtype, want) in enumerate(zip(dtypes, expected)):
+        got = results[0][f"value{i}"]
+        assert relative_error(got, want) < TOLERANCE[dtype], (i, dtype, relative_error(got, want))
+        for r in range(1, n):
+            assert results[r][f"bits{i}"].tobytes() == results[0][f"bits{i}"].tobytes(), (i, dtype, r)
+
+
+def check_train(out: str, n: int, hierarchical_combine) -> None:
+    """Final weights equal the numpy simulation started from rank 0's initial
+    weights, on every rank (bitwise identical across ranks)."""
+    x, y = simulation_data(worker.TRAIN_STEPS)
+    results = [np.load(os.path.join(out, f"train_rank{r}.npz")) for r in range(n)]
+    for name, combine in (("plain", reference.adasum_tree), ("hierarchical", hierarchical_combine)):
+        initial = [results[0][f"{name}_initial_kernel"], results[0][f"{name}_initial_bias"]]
+        expected = simulate(initial, x, y, n, worker.TRAIN_STEPS, SGD(), combine)
+        for r, result in enumerate(results):
+            for key, want in zip(("kernel", "bias"), expected):
+                np.testing.assert_allclose(result[f"{name}_{key}"], want, rtol=1e-5, atol=1e-6, err_msg=f"{name} {r}")
+                assert result[f"{name}_{key}"].tobytes() == results[0][f"{name}_{key}"].tobytes()
+            assert int(result[f"{name}_iterations"]) == worker.TRAIN_STEPS
+            assert float(result[f"{name}_loss"]) == float(results[0][f"{name}_loss"])
+
+
+def read_reports(out: str, task: str, n: int) -> list[dict]:
+    reports = []
+    for r in range(n):
+        path = os.path.join(out, f"{task}_rank{r}.json")
+        assert os.path.exists(path), f"rank {r} wrote no report for {task}"
+        with open(path, encoding="utf-8") as f:
+            reports.append(json.load(f))
+    return reports

@@ -1,0 +1,165 @@
+"""MultiWorkerMirroredStrategy across real worker processes on localhost, and
+the `tf-adasum launch` launcher. Each test starts its own cluster."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from multiprocess import WORKER, check_collective, check_train, read_reports, worker_env
+
+from tf_adasum import launch, reference
+
+pytestmark = pytest.mark.multiworker
+
+#: Collective timeout inside the workers for the failure tests (seconds).
+FAILURE_TIMEOUT = 10
+
+
+def _launch(n, tasks, out, timeout=600, **env):
+    command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), WORKER, tasks, str(out)]
+    result = subprocess.run(command, env=worker_env(**env), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collective_and_training_across_workers(n, tmp_path):
+    output = _launch(n, "collective,train", tmp_path)
+    for index in range(n):
+        assert f"[worker {index}] " in output
+    check_collective(tmp_path, n)
+    # One device per worker: the hierarchical combine (mean inside a worker,
+    # Adasum across workers) is Adasum over the workers.
+    check_train(tmp_path, n, hierarchical_combine=reference.adasum_tree)
+    initial = [np.load(tmp_path / f"train_rank{r}.npz")["plain_initial_kernel"] for r in range(n)]
+    assert all(np.array_equal(i, initial[0]) for i in initial)  # the strategy broadcasts initial values
+
+
+def test_mismatched_variables_raise_on_every_worker(tmp_path):
+    _launch(2, "mismatch", tmp_path)
+    for report in read_reports(tmp_path, "mismatch", 2):
+        assert report["raised"] and report["type"] == "ValueError", report
+        assert "trainable variables differ across the workers" in report["message"]
+        assert report["seconds"] < 30
+
+
+def _start_cluster(n, task, out, **env):
+    """The workers of a localhost cluster, started directly (no launcher);
+    worker i's output goes to ``out/worker{i}.log``."""
+    workers = []
+    for index, config in enumerate(launch.cluster_configs(n)):
+        with open(os.path.join(out, f"worker{index}.log"), "w") as log:
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, WORKER, task, str(out)],
+                    env=worker_env(TF_CONFIG=config, **env),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return workers
+
+
+def _logs(out, n):
+    return "\n".join(open(os.path.join(out, f"worker{i}.log")).read()[-3000:] for i in range(n))
+
+
+def test_killed_worker_makes_the_others_fail_within_the_timeout(tmp_path):
+    workers = _start_cluster(2, "killed", tmp_path, TEST_COLLECTIVE_TIMEOUT=str(FAILURE_TIMEOUT))
+    codes = [w.wait(timeout=300) for w in workers]
+    assert codes == [0, 17], _logs(tmp_path, 2)  # worker 0 reported its error; worker 1 died with os._exit(17)
+    report = read_reports(tmp_path, "killed", 1)[0]
+    assert report["raised"], report
+    assert report["type"] in ("UnavailableError", "DeadlineExceededError"), report
+    assert "unhealthy" in report["message"] or "timed out" in report["message"]
+    assert report["seconds"] < FAILURE_TIMEOUT + 60
+
+
+def test_uneven_step_counts_end_in_a_timeout(tmp_path):
+    workers = _start_cluster(2, "uneven", tmp_path, TEST_COLLECTIVE_TIMEOUT=str(FAILURE_TIMEOUT))
+    assert [w.wait(timeout=300) for w in workers] == [0, 0], _logs(tmp_path, 2)
+    reports = read_reports(tmp_path, "uneven", 2)
+    assert reports[0]["raised"] and reports[0]["type"] == "DeadlineExceededError", reports[0]
+    assert "timed out" in reports[0]["message"]
+    assert reports[0]["seconds"] < FAILURE_TIMEOUT + 60
+
+
+# -- the launcher (no TensorFlow in the workers) --------------------------------
+
+_FAILING_SCRIPT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    out = sys.argv[1]
+    child = subprocess.Popen(["sleep", "300"])  # something the worker started
+    with open(os.path.join(out, f"pids{index}"), "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    print("started", flush=True)
+    if index == 1:
+        time.sleep(1)
+        sys.exit(3)
+    time.sleep(300)
+    """
+)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split()[2] != "Z"
+
+
+def test_launcher_stops_everything_when_a_worker_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.launch", "-n", "3", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3, result.stdout
+    assert elapsed < 30, elapsed
+    for index in range(3):
+        assert f"[worker {index}] started" in result.stdout
+    pids = [int(p) for i in range(3) for p in (tmp_path / f"pids{i}").read_text().split()]
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"
+
+
+def test_launcher_gives_each_worker_its_cluster(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nprint(os.environ['TF_CONFIG'], sys.argv[1:])\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.launch", "-n", "2", str(script), "a", "--b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[worker"))
+    assert len(lines) == 2
+    for index, line in enumerate(lines):
+        assert line.startswith(f"[worker {index}] ")
+        assert f'"task": {{"type": "worker", "index": {index}}}' in line
+        assert "['a', '--b']" in line
+    assert lines[0].split("] ", 1)[1].split('"task"')[0] == lines[1].split("] ", 1)[1].split('"task"')[0]
+
+
+def test_launcher_rejects_bad_arguments(tmp_path):
+    for args, message in ((["-n", "0", "x.py"], "-n must be >= 1"), (["-n", "2", "missing.py"], "no such script")):
+        result = subprocess.run(
+            [sys.executable, "-m", "tf_adasum.launch", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+        assert result.returncode == 2
+        assert message in result.stderr
+    with pytest.raises(ValueError, match="Received: num_workers=0"):
+        launch.launch(0, ["true"])

@@ -1,0 +1,222 @@
+"""One worker of the multi-process tests: run by `tf-adasum launch` (TF_CONFIG,
+MultiWorkerMirroredStrategy) or by `mpirun` (the MPI engine).
+
+    python distributed_worker.py TASK OUTDIR
+
+Tasks (every worker writes ``OUTDIR/TASK_rank{R}.npz`` or ``.json``; the test
+in the parent process compares them with `tf_adasum.reference` and the numpy
+simulation, so the oracle lives in the tests):
+
+* ``collective``: several tensors of awkward lengths in every float dtype,
+  combined with Adasum in one call;
+* ``train``: a Dense layer trained with SGD+momentum through AdasumOptimizer
+  (``model.fit``), each rank starting from its own random weights;
+* ``mismatch``: rank 1 freezes a layer the others train; every rank must raise;
+* ``killed``: rank 1 dies mid-training; the others must fail, not hang;
+* ``uneven``: rank 0 has one batch more; its extra step must time out.
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from simulation import BATCH, IN, OUT, SGD  # noqa: E402
+from simulation import data as simulation_data  # noqa: E402
+
+import tf_adasum  # noqa: E402
+import tf_adasum.mpi  # noqa: E402
+from tf_adasum.comm import mpi as mpi_engine  # noqa: E402
+
+#: Collective timeout: a bug fails the run instead of hanging it.
+TIMEOUT_SECONDS = float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "60"))
+SIZES = (1, 127, 129, 1000, 3, 4099)
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+TRAIN_STEPS = 3
+
+
+def collective_inputs(rank: int) -> list[np.ndarray]:
+    """Rank `rank`'s tensors (float64 values, rounded to their dtype by the caller)."""
+    rng = np.random.default_rng(100 + rank)
+    return [rng.standard_normal(size) for _ in DTYPES for size in SIZES]
+
+
+def tensor_dtypes() -> list[str]:
+    return [dtype for dtype in DTYPES for _ in SIZES]
+
+
+class Engine:
+    """The multi-worker strategy (TF_CONFIG) or MPI, behind one face."""
+
+    def __init__(self):
+        self.strategy = None
+        if "TF_CONFIG" in os.environ:
+            options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            self.rank = self.strategy.cluster_resolver.task_id
+            self.size = self.strategy.num_replicas_in_sync
+        else:
+            assert mpi_engine.launched_by_mpi(), "run under tf-adasum launch (TF_CONFIG) or mpirun"
+            self.rank, self.size = tf_adasum.mpi.rank(), tf_adasum.mpi.size()
+
+    def scope(self):
+        return self.strategy.scope() if self.strategy else tf.distribute.get_strategy().scope()
+
+    def combine(self, tensors):
+        if self.strategy is None:
+            return [t.numpy() for t in mpi_engine.MPIOps(TIMEOUT_SECONDS).batch_reduce_combine(tensors)]
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
+        ops = tf_adasum.AdasumCrossDeviceOps(options=options)
+        with self.strategy.scope():
+            values = [self.strategy.experimental_distribute_values_from_function(lambda ctx, t=t: t) for t in tensors]
+            combined = ops.batch_reduce_adasum(values)
+        return [self.strategy.experimental_local_results(c)[0].numpy() for c in combined]
+
+    def fit(self, model, x, y, steps, epochs=1, callbacks=()):
+        """Trains on this rank's rows of each global batch, as the simulation splits them."""
+        b = BATCH // self.size
+        rows = np.concatenate(
+            [np.arange(s * BATCH + self.rank * b, s * BATCH + (self.rank + 1) * b) for s in range(steps)]
+        )
+        if self.strategy is None:
+            return model.fit(
+                x[rows], y[rows], batch_size=b, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+            )
+
+        def dataset_fn(context):
+            assert context.input_pipeline_id == self.rank
+            return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(b).repeat()
+
+        dataset = self.strategy.distribute_datasets_from_function(dataset_fn)
+        return model.fit(dataset, steps_per_epoch=steps, epochs=epochs, verbose=0, callbacks=list(callbacks))
+
+
+def dense_model(seed: int, units: int = OUT):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(units)])
+
+
+def run_collective(engine, out):
+    inputs = collective_inputs(engine.rank)
+    tensors = [tf.cast(tf.constant(x), dtype) for x, dtype in zip(inputs, tensor_dtypes())]
+    combined = engine.combine(tensors)
+    np.savez(
+        os.path.join(out, f"collective_rank{engine.rank}.npz"),
+        **{f"bits{i}": c.view(np.uint8) for i, c in enumerate(combined)},
+        **{f"value{i}": c.astype(np.float64) for i, c in enumerate(combined)},
+    )
+
+
+def run_train(engine, out):
+    """Plain and hierarchical, each from every rank's own random weights."""
+    x, y = simulation_data(TRAIN_STEPS)
+    results = {}
+    for name, hierarchical in (("plain", False), ("hierarchical", True)):
+        with engine.scope():
+            model = dense_model(seed=10 + engine.rank)  # different weights on every rank
+            initial = [w.numpy() for w in model.weights]
+            optimizer = tf_adasum.AdasumOptimizer(SGD().keras(), hierarchical=hierarchical)
+            model.compile(optimizer=optimizer, loss="mse")
+        history = engine.fit(model, x, y, TRAIN_STEPS, callbacks=[tf_adasum.mpi.MetricAverageCallback()])
+        results.update(
+            {
+                f"{name}_initial_kernel": initial[0],
+                f"{name}_initial_bias": initial[1],
+                f"{name}_kernel": model.weights[0].numpy(),
+                f"{name}_bias": model.weights[1].numpy(),
+                f"{name}_iterations": int(optimizer.iterations.numpy()),
+                f"{name}_loss": history.history["loss"][-1],
+            }
+        )
+    world = [tf_adasum.mpi.rank(), tf_adasum.mpi.size(), tf_adasum.mpi.local_rank(), tf_adasum.mpi.local_size()]
+    np.savez(os.path.join(out, f"train_rank{engine.rank}.npz"), mpi_world=world, **results)
+
+
+def run_mismatch(engine, out):
+    x, y = simulation_data(TRAIN_STEPS)
+    with engine.scope():
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT), keras.layers.Dense(OUT)])
+        model.layers[1].trainable = engine.rank != 1  # rank 1 trains 2 variables, the others 4
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD().keras()), loss="mse")
+    _report(out, "mismatch", engine.rank, lambda: engine.fit(model, x, y, TRAIN_STEPS))
+
+
+class DieAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.batch:
+            os._exit(17)
+
+
+def run_killed(engine, out):
+    steps = 200
+    x, y = simulation_data(steps)
+    with engine.scope():
+        model = dense_model(seed=1)
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD(lr=0.001).keras()), loss="mse")
+    callbacks = [DieAt(5)] if engine.rank == 1 else []
+    _report(out, "killed", engine.rank, lambda: engine.fit(model, x, y, steps, epochs=50, callbacks=callbacks))
+
+
+def run_uneven(engine, out):
+    """Rank 0 has one batch more than the others: its extra step must time out."""
+    steps = TRAIN_STEPS + (engine.rank == 0)
+    x, y = simulation_data(steps)
+    with engine.scope():
+        model = dense_model(seed=1)
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD().keras()), loss="mse")
+    _report(out, "uneven", engine.rank, lambda: engine.fit(model, x, y, steps))
+
+
+def _report(out, task, rank, fn):
+    result = {"raised": False}
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        text = str(error)
+        result = {"raised": True, "type": type(error).__name__, "message": text[:300] + " ... " + text[-1500:]}
+    result["seconds"] = time.monotonic() - start
+    with open(os.path.join(out, f"{task}_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+TASKS = {
+    "collective": run_collective,
+    "train": run_train,
+    "mismatch": run_mismatch,
+    "killed": run_killed,
+    "uneven": run_uneven,
+}
+
+
+def main():
+    tasks, out = sys.argv[1].split(","), sys.argv[2]
+    engine = Engine()
+    for task in tasks:
+        try:
+            TASKS[task](engine, out)
+        except Exception:
+            traceback.print_exc()
+            os._exit(1)
+    sys.stdout.flush()
+    if engine.strategy is None:
+        mpi_engine.mpi().Finalize()  # mpirun treats an exit without it as a failure
+    # Skip interpreter teardown: TF's collective runtime can block exit when a peer is gone.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

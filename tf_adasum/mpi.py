@@ -1,0 +1,160 @@
+"""What MPI users need beside the optimizer (as Horovod's ``hvd.rank()`` etc.).
+
+Under ``mpirun -np N python train.py`` (or ``srun``):
+
+* `rank`, `size`, `local_rank`, `local_size`: this process's place, for
+  sharding data (``dataset.shard(size(), rank())``) and for rank-0-only work;
+* `MetricAverageCallback`: averages epoch metrics over the ranks, so
+  ``EarlyStopping``, ``ReduceLROnPlateau`` and checkpoint callbacks decide the
+  same on every rank;
+* `broadcast_variables`, `check_same_variables`: what `tf_adasum.AdasumOptimizer`
+  does itself before the first step (rank 0's values everywhere; a clear error
+  on every rank when the variable lists differ).
+
+Checkpoints and logs: write them on rank 0 only
+(``if tf_adasum.mpi.rank() == 0:``, or ``callbacks=[...] if rank() == 0``);
+every rank loads the same file before training, the optimizer's broadcast then
+makes them equal anyway.
+
+Outside an MPI launcher (plain ``python train.py``) these report one process
+(rank 0 of 1) without importing mpi4py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+
+from tf_adasum.comm import mpi as engine
+
+__all__ = [
+    "MetricAverageCallback",
+    "broadcast_variables",
+    "check_same_variables",
+    "local_rank",
+    "local_size",
+    "rank",
+    "size",
+]
+
+
+def _world():
+    return engine.world() if engine.launched_by_mpi() else None
+
+
+def rank() -> int:
+    """This process's rank in ``COMM_WORLD`` (0 without an MPI launcher)."""
+    world = _world()
+    return world.rank if world else 0
+
+
+def size() -> int:
+    """The number of ranks (1 without an MPI launcher)."""
+    world = _world()
+    return world.size if world else 1
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its node (e.g. to pick a GPU)."""
+    world = _world()
+    return world.local_rank if world else 0
+
+
+def local_size() -> int:
+    """The number of ranks on this process's node."""
+    world = _world()
+    return world.local_size if world else 1
+
+
+def variable_signature(variables: Sequence) -> list[tuple[tuple[int, ...], str]]:
+    """What must agree across ranks: each variable's shape and dtype, in order."""
+    return [(tuple(int(d) for d in v.shape), str(np.dtype(_numpy_dtype(v)))) for v in variables]
+
+
+def _numpy_dtype(variable):
+    dtype = getattr(variable, "dtype", None)
+    return getattr(dtype, "as_numpy_dtype", dtype)
+
+
+def signature_digest(signature) -> str:
+    return hashlib.sha256(repr(signature).encode()).hexdigest()
+
+
+def check_same_variables(variables: Sequence, what: str = "variables") -> None:
+    """Raises ValueError on every rank unless all ranks hold the same variable
+    list (shapes, dtypes, order). Exchanges one short digest per rank first,
+    the lists themselves only when they differ. Call on every rank."""
+    world = _world()
+    if world is None:
+        return
+    signature = variable_signature(variables)
+    digests = world.comm.allgather(signature_digest(signature))
+    if len(set(digests)) == 1:
+        return
+    signatures = world.comm.allgather(signature)
+    differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
+    first = differing[0]
+    detail = _first_difference(signatures[0], signatures[first])
+    raise ValueError(
+        f"The {what} differ across MPI ranks (shapes, dtypes or order): rank 0 has {len(signatures[0])}, "
+        f"rank {first} has {len(signatures[first])}; {detail}. Ranks differing from rank 0: {differing}. "
+        "Every rank must build the same model."
+    )
+
+
+def _first_difference(a, b) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"first difference at position {i}: {x} vs {y}"
+    return f"the shorter list ends at position {min(len(a), len(b))}"
+
+
+def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
+    """Sets every rank's `variables` to `root_rank`'s values (eagerly; call on
+    every rank with the same list, e.g. after `check_same_variables`)."""
+    world = _world()
+    if world is None:
+        return
+    if not 0 <= root_rank < world.size:
+        raise ValueError(f"`root_rank` must be in [0, {world.size}). Received: root_rank={root_rank}")
+    for variable in variables:
+        value = np.array(variable.numpy(), copy=True, order="C")
+        buffer = value.reshape(-1).view(np.uint8)
+        world.comm.Bcast(buffer, root=root_rank)
+        if world.rank != root_rank:
+            variable.assign(value)
+
+
+def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
+    """The mean over ranks of each scalar in `values` (same keys on every rank)."""
+    world = _world()
+    if world is None or not values:
+        return dict(values)
+    keys = sorted(values)
+    local = np.array([float(values[k]) for k in keys], np.float64)
+    total = np.empty_like(local)
+    world.comm.Allreduce(local, total, op=engine.mpi().SUM)
+    return {k: float(v) / world.size for k, v in zip(keys, total)}
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Averages the epoch's metrics (loss, accuracy, validation ...) over MPI
+    ranks at the end of every epoch, so the callbacks after it see global
+    values. Put it first in ``callbacks``. A no-op without an MPI launcher and
+    under tf.distribute strategies (whose metrics are already global).
+
+    Every rank must run the same number of epochs with the same metric names.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._supports_tf_logs = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or size() == 1:
+            return
+        numeric = {k: v for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)}
+        logs.update(allreduce_mean(numeric))
