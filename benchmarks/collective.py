@@ -1,15 +1,26 @@
-"""Adasum all-reduce against TensorFlow's native SUM all-reduce, same devices, same run.
+"""Adasum all-reduce against the native SUM all-reduce, same processes, same run.
 
-Prints one JSON object per configuration:
-  adasum_ms    AdasumCrossDeviceOps.batch_reduce_adasum (vector halving, float64 dots)
-  native_ms    the native SUM all-reduce: what MirroredStrategy uses by default
-               (CollectiveAllReduce, ring on CPUs), via strategy.extended.batch_reduce_to
-  rvh_sum_ms   the same vector-halving collective with a plain sum (transport cost alone)
-  ratio        adasum_ms / native_ms
-  ratio_rvh_sum  rvh_sum_ms / native_ms
-Times are medians over repeats of one call each, inside a tf.function traced beforehand.
+Three engines (``--engine``, default all):
 
-Usage: python benchmarks/collective.py [--replicas 2 4] [--sizes 4096 ...] [--dtype float32]
+* ``local``: N logical CPU devices in this process (MirroredStrategy);
+  native = TensorFlow's CollectiveAllReduce (ring on CPUs), what MirroredStrategy
+  uses by default, via ``strategy.extended.batch_reduce_to``;
+* ``workers``: N worker processes on localhost (MultiWorkerMirroredStrategy,
+  started with ``python -m tf_adasum.launch``); native = the strategy's own
+  all-reduce (CollectiveAllReduce over gRPC);
+* ``mpi``: N ranks under ``mpirun`` (the MPI engine); native = MPI's own
+  ``Allreduce`` (SUM) of the same buffer, called from numpy.
+
+Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
+  adasum_ms    Adasum through tf_adasum (vector halving, float64 dots)
+  native_ms    the native SUM all-reduce above
+  rvh_sum_ms   the same vector-halving collective with a plain sum (transport alone)
+  ratio        adasum_ms / native_ms;  ratio_rvh_sum  rvh_sum_ms / native_ms
+Times are medians over repeats of one call each (TF paths inside a tf.function
+traced beforehand; process engines start each call together after a barrier).
+
+Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
+       [--sizes 4096 ...] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -24,15 +35,21 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+ENGINES = ("local", "workers", "mpi")
+ROLES = ("workers-worker", "mpi-rank")  # what the spawned processes run
 
 
 def _parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="local replica counts")
+    parser.add_argument("--engine", nargs="+", default=list(ENGINES), choices=list(ENGINES) + list(ROLES))
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="replica (process) counts")
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="buffer sizes in bytes")
     parser.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (at least)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="keep repeating until this much time")
+    parser.add_argument(
+        "--process-repeats", type=int, default=20, help="timed calls per measurement with workers or MPI ranks"
+    )
     return parser.parse_args(argv)
 
 
@@ -54,10 +71,145 @@ def main(argv=None):
     global tf
     import tensorflow as tf
 
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * max(args.replicas))
-    for n in args.replicas:
-        _bench_replicas(n, args)
+    if args.engine == ["workers-worker"]:
+        return _workers_worker(args)
+    if args.engine == ["mpi-rank"]:
+        return _mpi_rank(args)
+    if "local" in args.engine:
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * max(args.replicas)
+        )
+        for n in args.replicas:
+            _bench_replicas(n, args)
+    for engine in ("workers", "mpi"):
+        if engine in args.engine:
+            for n in args.replicas:
+                _spawn(engine, n, args)
+
+
+def _forwarded_args(args):
+    return [
+        "--sizes",
+        *map(str, args.sizes),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+        "--min-seconds",
+        str(args.min_seconds),
+    ]
+
+
+def _spawn(engine, n, args):
+    """Runs this script as N processes; prints the JSON lines of process 0."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = os.path.abspath(__file__)
+    if engine == "workers":
+        command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), script, "--engine", "workers-worker"]
+        prefix = "[worker 0] "
+    else:
+        beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
+        mpirun = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
+        if mpirun is None:
+            raise SystemExit("benchmarks/collective.py: mpirun not found (pip install 'tf_adasum[mpi]')")
+        command = [mpirun, "-np", str(n), "--oversubscribe"]
+        command += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        command += [sys.executable, script, "--engine", "mpi-rank"]
+        prefix = ""
+    result = subprocess.run(command + _forwarded_args(args), capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{engine} benchmark with {n} processes failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    for line in result.stdout.splitlines():
+        if line.startswith(prefix + "{"):
+            print(line[len(prefix) :], flush=True)
+
+
+def _record(engine, n, dtype, elements, adasum_ms, native_ms, rvh_sum_ms):
+    record = {
+        "benchmark": "collective",
+        "engine": engine,
+        "replicas": n,
+        "dtype": dtype.name,
+        "bytes": elements * dtype.size,
+        "adasum_ms": adasum_ms,
+        "native_ms": native_ms,
+        "rvh_sum_ms": rvh_sum_ms,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    record["ratio"] = record["adasum_ms"] / record["native_ms"]
+    record["ratio_rvh_sum"] = record["rvh_sum_ms"] / record["native_ms"]
+    for key in ("adasum_ms", "native_ms", "rvh_sum_ms", "ratio", "ratio_rvh_sum"):
+        record[key] = round(record[key], 3)
+    return record
+
+
+def _workers_worker(args):
+    """One worker of a localhost MultiWorkerMirroredStrategy cluster."""
+    import tf_adasum
+
+    dtype = tf.as_dtype(args.dtype)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        adasum = tf.function(lambda v: cross_device_ops.batch_reduce_adasum([v]))
+        rvh_sum = tf.function(lambda v: cross_device_ops.batch_reduce_combine([v], "sum"))
+        native = tf.function(lambda v: strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(v, v)]))
+        for size in args.sizes:
+            elements = size // dtype.size
+            value = strategy.experimental_distribute_values_from_function(
+                lambda ctx, elements=elements: tf.cast(
+                    tf.random.stateless_normal([elements], seed=[ctx.replica_id_in_sync_group, 7]), dtype
+                )
+            )
+            # Fixed repeat counts: every worker must issue the same collectives.
+            times = [_median_ms(fn, value, args.process_repeats, 0.0) for fn in (adasum, native, rvh_sum)]
+            if strategy.cluster_resolver.task_id == 0:
+                print(json.dumps(_record("workers", n, dtype, elements, *times)), flush=True)
+    os._exit(0)  # skip TF's teardown, which can wait on peers that already left
+
+
+def _mpi_rank(args):
+    """One MPI rank: tf_adasum's MPI engine against MPI's own Allreduce."""
+    import numpy as np
+
+    from tf_adasum.comm import mpi as mpi_engine
+
+    MPI = mpi_engine.mpi()
+    comm = MPI.COMM_WORLD
+    dtype = tf.as_dtype(args.dtype)
+    ops = mpi_engine.MPIOps()
+    adasum = tf.function(lambda v: ops.batch_reduce_combine([v]))
+    rvh_sum = tf.function(lambda v: ops.batch_reduce_combine([v], "sum"))
+
+    def synchronised(fn):
+        def run(value):
+            comm.Barrier()
+            return fn(value)
+
+        return run
+
+    for size in args.sizes:
+        elements = size // dtype.size
+        value = tf.cast(tf.random.stateless_normal([elements], seed=[comm.rank, 7]), dtype)
+        buffer = np.ascontiguousarray(value.numpy())
+        out = np.empty_like(buffer)
+        mpi_type = MPI.FLOAT if dtype == tf.float32 else MPI.DOUBLE if dtype == tf.float64 else None
+        if mpi_type is None:
+            raise SystemExit("--engine mpi compares with MPI's Allreduce, which has no 16-bit float type")
+
+        def native(_, buffer=buffer, out=out, mpi_type=mpi_type):
+            comm.Allreduce([buffer, mpi_type], [out, mpi_type], op=MPI.SUM)
+            return tf.constant(0)
+
+        times = [_median_ms(synchronised(fn), value, args.process_repeats, 0.0) for fn in (adasum, native, rvh_sum)]
+        if comm.rank == 0:
+            print(json.dumps(_record("mpi", comm.size, dtype, elements, *times)), flush=True)
 
 
 def _bench_replicas(n, args):
@@ -77,22 +229,15 @@ def _bench_replicas(n, args):
                     tf.random.stateless_normal([elements], seed=[ctx.replica_id_in_sync_group, 7]), dtype
                 )
             )
-            record = {
-                "benchmark": "collective",
-                "engine": "local-devices",
-                "replicas": n,
-                "dtype": args.dtype,
-                "bytes": elements * dtype.size,
-                "adasum_ms": _median_ms(adasum, value, args.repeats, args.min_seconds),
-                "native_ms": _median_ms(native, value, args.repeats, args.min_seconds),
-                "rvh_sum_ms": _median_ms(rvh_sum, value, args.repeats, args.min_seconds),
-                "cpu_count": os.cpu_count(),
-                "machine": platform.machine(),
-            }
-            record["ratio"] = record["adasum_ms"] / record["native_ms"]
-            record["ratio_rvh_sum"] = record["rvh_sum_ms"] / record["native_ms"]
-            for key in ("adasum_ms", "native_ms", "rvh_sum_ms", "ratio", "ratio_rvh_sum"):
-                record[key] = round(record[key], 3)
+            record = _record(
+                "local",
+                n,
+                dtype,
+                elements,
+                _median_ms(adasum, value, args.repeats, args.min_seconds),
+                _median_ms(native, value, args.repeats, args.min_seconds),
+                _median_ms(rvh_sum, value, args.repeats, args.min_seconds),
+            )
             print(json.dumps(record), flush=True)
 
 

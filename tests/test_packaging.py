@@ -7,8 +7,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import tf_adasum
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,16 +87,14 @@ def test_importing_does_not_pull_optional_dependencies():
     assert "ADDED []" in out.stdout
 
 
-@pytest.mark.parametrize("command", ["launch"])
-def test_cli_subcommands_not_built_yet_fail_loudly(command):
-    out = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "tf-adasum"), command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2
-    assert "not built yet" in out.stderr
+def test_cli_launch_runs_the_launcher(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import json, os, sys\nsys.exit(json.loads(os.environ['TF_CONFIG'])['task']['index'] + 4)\n")
+    tf_adasum_cli = os.path.join(os.path.dirname(sys.executable), "tf-adasum")
+    out = subprocess.run([tf_adasum_cli, "launch", "-n", "1", str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 4, out.stdout + out.stderr
+    out = subprocess.run([tf_adasum_cli, "launch", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--num-workers" in out.stdout
 
 
 def test_cli_eval_is_the_scaling_evaluation():

@@ -33,29 +33,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(what: str, issue: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f'tf-adasum {what}: not built yet (see the issue "{issue}").', file=sys.stderr)
-        return 2
-
-    return run
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:  # the evaluation has its own parser (tf-adasum eval --help)
         from tf_adasum.eval.cli import main as eval_main
 
         return eval_main(argv[1:])
+    if argv[:1] == ["launch"]:  # so are the launcher's (tf-adasum launch --help)
+        from tf_adasum.launch import main as launch_main
+
+        return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tf-adasum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the benchmarks (JSON lines); each script also runs on its own")
     bench.add_argument("names", nargs="*", metavar="NAME", help=f"which ones: {', '.join(BENCHMARKS)} (default: all)")
     bench.set_defaults(run=_bench)
     sub.add_parser("eval", help="the scaling evaluation (see `tf-adasum eval --help`)")
-    sub.add_parser("launch", help="start N local workers with TF_CONFIG").set_defaults(
-        run=_not_built("launch", "Multi-worker")
-    )
+    sub.add_parser("launch", help="start N local workers of a MultiWorkerMirroredStrategy cluster (TF_CONFIG)")
     args = parser.parse_args(argv)
     return args.run(args)
 

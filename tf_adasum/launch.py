@@ -129,6 +129,7 @@ def launch(num_workers: int, command: Sequence[str], env: dict[str, str] | None 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tf-adasum launch",
+        epilog="Example: tf-adasum launch -n 4 examples/mnist_multiworker.py --epochs 3",
         description="Start N local workers of a MultiWorkerMirroredStrategy cluster (TF_CONFIG on localhost).",
     )
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")

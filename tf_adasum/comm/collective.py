@@ -124,7 +124,13 @@ class TFCollectiveCommunicator:
     Args:
       devices: the device of every rank, in rank order (global replica order).
       rank: this communicator's rank.
-      timeout_seconds: collective timeout; 0 or None waits forever.
+      timeout_seconds: collective timeout; 0 or None waits forever. It is
+        set on this communicator's first collective only: that is where a
+        missing peer shows (the later ones run in lockstep behind it, and
+        MultiWorkerMirroredStrategy's heartbeat aborts them if a worker dies).
+        TensorFlow implements a collective timeout with one thread that
+        sleeps for the whole timeout, per op executed, so timing every op
+        would pile up thousands of threads per minute.
       keys: the key allocator (the process-wide one by default).
     """
 
@@ -142,6 +148,9 @@ class TFCollectiveCommunicator:
         self._timeout = float(timeout_seconds or 0)
         self._keys = keys
         self._last: tf.Tensor | None = None
+
+    def _next_timeout(self) -> float:
+        return self._timeout if self._last is None else 0.0
 
     def _keys_for(self, members: Sequence[int]) -> tuple[int, int]:
         group_key = self._keys.group_key([self.devices[m] for m in members])
@@ -171,7 +180,7 @@ class TFCollectiveCommunicator:
                 group_key=group_key,
                 instance_key=instance_key,
                 ordering_token=[_ordering_token(self.device)],
-                timeout_seconds=self._timeout,
+                timeout_seconds=self._next_timeout(),
             )
             out.set_shape(x.shape)
             return tf.reverse(out, [0]) if reverse else out
@@ -189,7 +198,7 @@ class TFCollectiveCommunicator:
                 group_key=group_key,
                 instance_key=instance_key,
                 ordering_token=[_ordering_token(self.device)],
-                timeout_seconds=self._timeout,
+                timeout_seconds=self._next_timeout(),
             )
             out = _restored(out, x.dtype)
             out.set_shape([None if x.shape[0] is None else 2 * x.shape[0]])
@@ -211,7 +220,7 @@ class TFCollectiveCommunicator:
                 ordering_token=[_ordering_token(self.device)],
                 merge_op="Add",
                 final_op="Id",
-                timeout_seconds=self._timeout,
+                timeout_seconds=self._next_timeout(),
             )
         )
         summed.set_shape(x.shape)
@@ -225,7 +234,7 @@ class TFCollectiveCommunicator:
                 group_size=2,
                 group_key=group_key,
                 instance_key=instance_key,
-                timeout_seconds=self._timeout,
+                timeout_seconds=self._next_timeout(),
             )
         )
         # The send's output is unused; returning x through it keeps the op alive.
@@ -241,7 +250,7 @@ class TFCollectiveCommunicator:
                 instance_key=instance_key,
                 shape=tf.shape(like),
                 T=_carried(like).dtype,
-                timeout_seconds=self._timeout,
+                timeout_seconds=self._next_timeout(),
             )
         )
         received.set_shape(like.shape)
