@@ -89,16 +89,7 @@ def main(argv=None):
 
 
 def _forwarded_args(args):
-    return [
-        "--sizes",
-        *map(str, args.sizes),
-        "--dtype",
-        args.dtype,
-        "--repeats",
-        str(args.repeats),
-        "--min-seconds",
-        str(args.min_seconds),
-    ]
+    return ["--sizes", *map(str, args.sizes), "--dtype", args.dtype, "--process-repeats", str(args.process_repeats)]
 
 
 def _spawn(engine, n, args):
