@@ -56,7 +56,9 @@ def check_train(out: str, n: int, hierarchical_combine) -> None:
     weights, on every rank (bitwise identical across ranks)."""
     x, y = simulation_data(worker.TRAIN_STEPS)
     results = [np.load(os.path.join(out, f"train_rank{r}.npz")) for r in range(n)]
-    for name, combine in (("plain", reference.adasum_tree), ("hierarchical", hierarchical_combine)):
+    adacons = lambda per_rank: reference.adacons(per_rank, restore_magnitude=True)[0]  # noqa: E731 (delta mode)
+    combines = (("plain", reference.adasum_tree), ("hierarchical", hierarchical_combine), ("adacons", adacons))
+    for name, combine in combines:
         initial = [results[0][f"{name}_initial_kernel"], results[0][f"{name}_initial_bias"]]
         expected = simulate(initial, x, y, n, worker.TRAIN_STEPS, SGD(), combine)
         for r, result in enumerate(results):

@@ -2,7 +2,7 @@
 
 Runs in cross-replica context: one SUM all-reduce of the updates (the
 vector-halving collective with a plain sum), per-replica float64 dots, a gather
-of N scalars per weight group, the weights computed once from the gathered
+of N scalars per weight group (the strategy's, or MPI's for the MPI engine), the weights computed once from the gathered
 values (so identical on every replica), and a second SUM all-reduce of the
 weighted updates. `tf_adasum.reference.adacons` is the specification.
 """
@@ -45,7 +45,12 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
     Returns:
       The combined tensors, identical on every replica (per-replica values).
     """
-    n = strategy.num_replicas_in_sync
+    if hasattr(cross_device_ops, "all_gather"):  # the MPI engine: one replica per process
+        n, gather = cross_device_ops.num_replicas, cross_device_ops.all_gather
+        replica_id = lambda: cross_device_ops.replica_id  # noqa: E731
+    else:
+        n, gather = strategy.num_replicas_in_sync, lambda x: strategy.gather(x, axis=0)
+        replica_id = lambda: tf.distribute.get_replica_context().replica_id_in_sync_group  # noqa: E731
     num_tensors = len(per_replica)
     groups = [[t] for t in range(num_tensors)] if combiner.per_tensor else [list(range(num_tensors))]
     total = cross_device_ops.batch_reduce_combine(per_replica, "sum")
@@ -60,7 +65,7 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
         return tf.stack([tf.sqrt(group_sums(squares)), group_sums(dots)])[tf.newaxis]  # [1, 2, groups]
 
     statistics = strategy.extended.call_for_each_replica(local_statistics, args=(*per_replica, *total))
-    gathered = strategy.gather(statistics, axis=0)  # [N, 2, groups], replica order
+    gathered = tf.reshape(gather(statistics), [n, 2, len(groups)])  # replica order
     norms = tf.transpose(gathered[:, 0])  # [groups, N]
     alpha = tf.transpose(gathered[:, 1]) / (n * (norms + ADACONS_EPS))
     order = tf.argsort(alpha, axis=1, stable=True)
@@ -77,8 +82,7 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
     group_of = {t: i for i, group in enumerate(groups) for t in group}
 
     def weighted(*g):
-        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-        c = coefficients[:, replica]
+        c = coefficients[:, replica_id()]
         return [tf.cast(c[group_of[t]] * _to64(x), x.dtype) for t, x in enumerate(g)]
 
     result = cross_device_ops.batch_reduce_combine(

@@ -196,7 +196,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self._adacons_state = None
         if not self.combiner.pairwise:
             groups = len(var_list) if self.combiner.per_tensor else 1
-            shape = (groups, self._distribution_strategy.num_replicas_in_sync)
+            shape = (groups, self._num_combined(self._distribution_strategy))
             make = lambda name, shape, dtype: _tf_variable(  # noqa: E731
                 self.add_variable(shape=shape, dtype=dtype, initializer="zeros", aggregation="none", name=name)
             )
@@ -209,10 +209,6 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         if self._diagnostics.enabled:
             self._create_diagnostics_variable()
         if self._uses_mpi(self._distribution_strategy):
-            if not self.combiner.pairwise:
-                raise NotImplementedError(
-                    f"{self.combiner!r} is not available on the MPI engine yet; use it with a tf.distribute strategy."
-                )
             self._synchronize_ranks(var_list)
 
     # -- engines -----------------------------------------------------------------
@@ -425,7 +421,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         hierarchical = self.hierarchical
 
         def combine(per_replica):
-            if isinstance(cross_device_ops, mpi_engine.MPIOps):
+            if isinstance(cross_device_ops, mpi_engine.MPIOps) and combiner.pairwise:
                 return cross_device_ops.batch_reduce_combine(per_replica, combiner, hierarchical=hierarchical)
             if not combiner.pairwise:
                 rows = [self._get_variable_index(v) for v in keras_variables] if combiner.per_tensor else [0]

@@ -117,14 +117,18 @@ def run_collective(engine, out):
 
 
 def run_train(engine, out):
-    """Plain and hierarchical, each from every rank's own random weights."""
+    """Adasum, hierarchical Adasum and AdaCons, each from every rank's own random weights."""
     x, y = simulation_data(TRAIN_STEPS)
     results = {}
-    for name, hierarchical in (("plain", False), ("hierarchical", True)):
+    for name, options in (
+        ("plain", {}),
+        ("hierarchical", {"hierarchical": True}),
+        ("adacons", {"combiner": "adacons"}),
+    ):
         with engine.scope():
             model = dense_model(seed=10 + engine.rank)  # different weights on every rank
             initial = [w.numpy() for w in model.weights]
-            optimizer = tf_adasum.AdasumOptimizer(SGD().keras(), hierarchical=hierarchical)
+            optimizer = tf_adasum.AdasumOptimizer(SGD().keras(), **options)
             model.compile(optimizer=optimizer, loss="mse")
         history = engine.fit(model, x, y, TRAIN_STEPS, callbacks=[tf_adasum.mpi.MetricAverageCallback()])
         results.update(

@@ -206,30 +206,33 @@ class MPICommunicator:
         self._chain = chain
         self._timeout = timeout_seconds
 
-    def _exchange(self, send: np.ndarray, peer: int, what: str) -> np.ndarray:
-        received = np.empty_like(send)
+    def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
+        """Sends `send` to `peer` while receiving its message into `receive`."""
         requests = [
-            self.comm.Irecv(_bytes(received), source=peer, tag=0),
+            self.comm.Irecv(_bytes(receive), source=peer, tag=0),
             self.comm.Isend(_bytes(send), dest=peer, tag=0),
         ]
         _wait(requests, self._timeout, f"{what} with rank {peer}")
-        return received
 
     def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         me = 0 if self.rank < partner else 1
 
         def swap(rows):
             out = np.empty_like(rows)
+            self._exchange(rows[1 - me], out[1 - me], partner, "swap_halves")
             out[me] = rows[me]
-            out[1 - me] = self._exchange(rows[1 - me], partner, "swap_halves")
             return out
 
         return self._chain.call(swap, [x], x.dtype, x.shape)
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        me = 0 if self.rank < partner else 1
+
         def gather(mine):
-            theirs = self._exchange(mine, partner, "gather_pair")
-            return np.concatenate([mine, theirs] if self.rank < partner else [theirs, mine])
+            out = np.empty((2,) + mine.shape, mine.dtype)
+            self._exchange(mine, out[1 - me], partner, "gather_pair")
+            out[me] = mine
+            return out.reshape(-1)
 
         length = x.shape[0]
         return self._chain.call(gather, [x], x.dtype, [None if length is None else 2 * length])
