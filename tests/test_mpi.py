@@ -101,6 +101,13 @@ def test_backend_tf_with_one_replica_under_mpirun_is_refused(monkeypatch):
         _build(tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), backend="tf"))
 
 
+def test_diagnostics_are_refused_under_mpirun(monkeypatch):
+    _pretend_mpirun(monkeypatch)
+    optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(NotImplementedError, match="AdasumDiagnostics is available on one worker"):
+        optimizer.enable_diagnostics()
+
+
 def test_launcher_detection(monkeypatch):
     for name in mpi_engine.LAUNCHER_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)

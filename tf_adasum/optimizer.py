@@ -17,6 +17,11 @@ applies the combined gradient identically on every replica.
 The inner optimizer's own ``apply()`` cannot be used: under a strategy it
 SUM-all-reduces gradients. The wrapper drives its per-variable ``update_step``
 and does itself what ``apply()`` does.
+
+Engines: the strategy's replicas over TF collective ops (one process, or the
+worker processes of a MultiWorkerMirroredStrategy), or MPI ranks (one replica
+per process, `tf_adasum.comm.mpi`). Across processes the variable lists are
+compared before any optimizer variable is created.
 """
 
 from __future__ import annotations
@@ -84,11 +89,16 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
       backward_passes_per_step: K >= 1. Delta mode: K local inner steps, then
         one combine (``iterations`` counts local steps). Gradient mode: the K
         local gradients are averaged, then combined once.
-      hierarchical: average the replicas of one worker first, then combine
-        across workers. With a single worker (MirroredStrategy) this is plain
-        averaging of the local replicas.
-      backend: ``"tf"`` (TF collective ops over the strategy's replicas),
-        ``"mpi"`` (MPI ranks), or ``"auto"``.
+      hierarchical: average the replicas of one worker (under MPI: the ranks
+        of one node) first, then combine across workers. With a single worker
+        (MirroredStrategy) this is plain averaging of the local replicas.
+      backend: ``"tf"`` (TF collective ops over the strategy's replicas:
+        MirroredStrategy, MultiWorkerMirroredStrategy), ``"mpi"`` (MPI ranks,
+        one replica per process; gradients are each rank's local mean, and
+        rank 0's variables are broadcast when the optimizer is built), or
+        ``"auto"``: "tf" with a multi-replica strategy, else "mpi" when an MPI
+        launcher started this process with several ranks, else one replica.
+        Combinations that would train each process alone raise.
       use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average
         of the combined weights (as in Keras optimizers). The inner optimizer's
         own ``use_ema`` would average diverged local weights and is refused.
@@ -294,17 +304,18 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         """Records per-tensor statistics of every combine from now on (a few
         float64 scalars per tensor, no extra full-size communication). Traced
         train functions must be traced again for it to take effect."""
-        self._diagnostics.enabled = True
-        if self.built and self._diagnostics.variable is None:
-            self._create_diagnostics_variable()
-
-    def _create_diagnostics_variable(self):
         strategy = self._distribution_strategy
         if self._uses_mpi(strategy) or getattr(strategy.extended, "_num_workers", 1) > 1:
             raise NotImplementedError(
                 "AdasumDiagnostics is available on one worker (MirroredStrategy) only: across worker "
                 "processes or MPI ranks each process sees only its own replicas' deltas."
             )
+        self._diagnostics.enabled = True
+        if self.built and self._diagnostics.variable is None:
+            self._create_diagnostics_variable()
+
+    def _create_diagnostics_variable(self):
+        strategy = self._distribution_strategy
         state = self._diagnostics
         state.num_replicas = strategy.num_replicas_in_sync
         state.with_levels = isinstance(self._effective_combiner(), combiners_lib.Adasum) and state.num_replicas > 1
