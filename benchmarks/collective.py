@@ -94,7 +94,6 @@ def _forwarded_args(args):
 
 def _spawn(engine, n, args):
     """Runs this script as N processes; prints the JSON lines of process 0."""
-    import shutil
     import subprocess
     import sys
 
@@ -103,12 +102,9 @@ def _spawn(engine, n, args):
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), script, "--engine", "workers-worker"]
         prefix = "[worker 0] "
     else:
-        beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
-        mpirun = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
-        if mpirun is None:
-            raise SystemExit("benchmarks/collective.py: mpirun not found (pip install 'tf_adasum[mpi]')")
-        command = [mpirun, "-np", str(n), "--oversubscribe"]
-        command += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        from tf_adasum.comm.mpi import mpirun_command
+
+        command = mpirun_command(n)
         command += [sys.executable, script, "--engine", "mpi-rank"]
         prefix = ""
     result = subprocess.run(command + _forwarded_args(args), capture_output=True, text=True)

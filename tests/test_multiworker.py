@@ -1,6 +1,7 @@
 """MultiWorkerMirroredStrategy across real worker processes on localhost, and
 the `tf-adasum launch` launcher. Each test starts its own cluster."""
 
+import json
 import os
 import subprocess
 import sys
@@ -163,3 +164,22 @@ def test_launcher_rejects_bad_arguments(tmp_path):
         assert message in result.stderr
     with pytest.raises(ValueError, match="Received: num_workers=0"):
         launch.launch(0, ["true"])
+
+
+@pytest.mark.multiworker
+def test_scaling_evaluation_runs_on_this_engine(tmp_path, capsys):
+    from tf_adasum.eval import cli
+
+    argv = [
+        "--engine", "tf-collective", "--combiners", "adasum", "keras", "--replicas", "2", "--batch-per-replica", "16",
+        "--epochs", "2", "--train-examples", "320", "--test-examples", "200", "--target", "0.99", "--no-stop",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
+    assert [r["combiner"] for r in records] == ["adasum", "keras"]
+    for record in records:
+        assert record["engine"] == "tf-collective" and record["replicas"] == 2 and record["effective_batch"] == 32
+        assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
+        assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
+        assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance

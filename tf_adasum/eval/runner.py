@@ -21,7 +21,7 @@ from tf_adasum.eval import metrics
 from tf_adasum.eval.data import DATASETS
 from tf_adasum.eval.models import TRAINING_MODELS
 
-__all__ = ["COMBINERS", "ENGINES", "RunConfig", "run"]
+__all__ = ["COMBINERS", "ENGINES", "RunConfig", "optimizer_for", "record", "run", "subset"]
 
 COMBINERS = ("adasum", "adacons", "mean", "sum", "keras")
 ENGINES = ("local-devices", "tf-collective", "mpi")
@@ -62,10 +62,11 @@ class RunConfig:
             raise ValueError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={self.combiner!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"Unknown `engine`. Expected one of {ENGINES}. Received: engine={self.engine!r}")
-        if self.engine != "local-devices":
-            raise NotImplementedError(
-                f"engine={self.engine!r} needs worker processes (the multi-worker issue); "
-                "use engine='local-devices' (replicas on this machine's logical devices)."
+        if self.engine == "mpi" and self.combiner == "keras":
+            raise ValueError(
+                "The `keras` baseline has no MPI path: without a strategy Keras does not all-reduce gradients "
+                "across MPI ranks. Use engine='tf-collective' or 'local-devices'. Received: combiner='keras', "
+                "engine='mpi'"
             )
         for name in ("replicas", "batch_per_replica", "local_steps", "epochs"):
             value = getattr(self, name)
@@ -87,7 +88,8 @@ class RunConfig:
         return self
 
 
-def _optimizer(config: RunConfig):
+def optimizer_for(config: RunConfig):
+    """The configuration's optimizer: Adam, wrapped unless it is the `keras` baseline."""
     import keras
 
     import tf_adasum
@@ -98,12 +100,23 @@ def _optimizer(config: RunConfig):
     return tf_adasum.AdasumOptimizer(inner, combiner=config.combiner, backward_passes_per_step=config.local_steps)
 
 
+def subset(config: RunConfig, data):
+    """`data` cut to the configuration's `train_examples`/`test_examples`."""
+    (x_train, y_train), (x_test, y_test) = data
+    if config.train_examples:
+        x_train, y_train = x_train[: config.train_examples], y_train[: config.train_examples]
+    if config.test_examples:
+        x_test, y_test = x_test[: config.test_examples], y_test[: config.test_examples]
+    return (x_train, y_train), (x_test, y_test)
+
+
 def run(
     config: RunConfig,
     data,
     devices: list[str],
     stop_at_target: bool = True,
     progress: Callable[[int, float, float], None] | None = None,
+    data_dir: str | None = None,
 ) -> dict:
     """Trains `config` and returns its result record (see the README for the fields).
 
@@ -112,11 +125,19 @@ def run(
 
     Args:
       config: the configuration (validated).
-      data: ``((x_train, y_train), (x_test, y_test))`` uint8 arrays.
-      devices: at least `config.replicas` devices; the first ones are used.
+      data: ``((x_train, y_train), (x_test, y_test))`` uint8 arrays (local
+        devices; worker processes and MPI ranks load the dataset themselves).
+      devices: at least `config.replicas` devices; the first ones are used
+        (local devices only).
       stop_at_target: stop after the first epoch that reaches the target.
       progress: called after each epoch with (epoch, test accuracy, seconds).
+      data_dir: where processes find the dataset (`load_dataset`).
     """
+    config.validate()
+    if config.engine != "local-devices":
+        from tf_adasum.eval.processes import run_in_processes
+
+        return run_in_processes(config, stop_at_target, progress, data_dir)
     import keras
     import tensorflow as tf
 
@@ -124,13 +145,8 @@ def run(
     from tf_adasum.eval.data import as_float_images, training_stream
     from tf_adasum.eval.models import build
 
-    config.validate()
     keras.utils.set_random_seed(config.seed)
-    (x_train, y_train), (x_test, y_test) = data
-    if config.train_examples:
-        x_train, y_train = x_train[: config.train_examples], y_train[: config.train_examples]
-    if config.test_examples:
-        x_test, y_test = x_test[: config.test_examples], y_test[: config.test_examples]
+    (x_train, y_train), (x_test, y_test) = subset(config, data)
     x_test = as_float_images(x_test)
     global_batch = config.replicas * config.batch_per_replica
     train, steps_per_epoch = training_stream(x_train, y_train, global_batch, config.seed)
@@ -140,7 +156,7 @@ def run(
     with strategy.scope():
         model = build(config.model)
         model.compile(
-            optimizer=_optimizer(config),
+            optimizer=optimizer_for(config),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
@@ -161,6 +177,11 @@ def run(
                 self.model.stop_training = True
 
     model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
+    return record(config, accuracy, seconds, stop_at_target)
+
+
+def record(config: RunConfig, accuracy: list[float], seconds: list[float], stop_at_target: bool) -> dict:
+    """The result record of a finished run."""
     epochs = metrics.epochs_until_convergence(accuracy, config.target)
     minutes_per_epoch = statistics.median(seconds) / 60.0
     return {

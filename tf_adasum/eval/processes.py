@@ -1,0 +1,176 @@
+"""Evaluation runs across processes: ``--engine tf-collective`` (N worker
+processes of a MultiWorkerMirroredStrategy on localhost, via `tf_adasum.launch`)
+and ``--engine mpi`` (N ranks under ``mpirun``), one replica per process.
+
+`run_in_processes` (the parent) starts N copies of this module as a program;
+each loads the dataset, trains on its shard of the training set (every process
+runs the same number of steps per epoch), evaluates its shard of the test set,
+and sums the counts over the processes, so every process takes the same
+stop-at-target decision. Process 0 prints one ``PROGRESS epoch accuracy
+seconds`` line per epoch and writes the result record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+__all__ = ["run_in_processes"]
+
+_PROGRESS = "PROGRESS "
+
+
+def run_in_processes(
+    config, stop_at_target: bool, progress: Callable[[int, float, float], None] | None, data_dir: str | None
+) -> dict:
+    """Runs `config` (engine ``tf-collective`` or ``mpi``) and returns its record."""
+    from tf_adasum.comm.mpi import mpirun_command
+
+    n = config.replicas
+    with tempfile.TemporaryDirectory(prefix="tf_adasum_eval_") as folder:
+        result_path = os.path.join(folder, "record.json")
+        program = [os.path.abspath(__file__), json.dumps(dataclasses.asdict(config)), result_path]
+        program += ["--data-dir", data_dir] if data_dir else []
+        program += [] if stop_at_target else ["--no-stop"]
+        if config.engine == "tf-collective":
+            command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *program], "[worker 0] "
+        else:
+            command, prefix = mpirun_command(n) + [sys.executable, *program], ""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("TF_CONFIG", None)
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail: list[str] = []
+        for line in process.stdout:
+            tail = (tail + [line])[-60:]
+            if line.startswith(prefix + _PROGRESS) and progress is not None:
+                epoch, accuracy, seconds = line[len(prefix + _PROGRESS) :].split()
+                progress(int(epoch), float(accuracy), float(seconds))
+        if process.wait() != 0 or not os.path.exists(result_path):
+            raise RuntimeError(
+                f"The {config.engine} run with {n} processes failed (exit code {process.returncode}); "
+                f"its last output:\n{''.join(tail)}"
+            )
+        with open(result_path, encoding="utf-8") as f:
+            return json.load(f)
+
+
+# -- the program each process runs -------------------------------------------------
+
+
+class _Processes:
+    """This process's place: a MultiWorkerMirroredStrategy worker or an MPI rank."""
+
+    def __init__(self, engine: str):
+        import tensorflow as tf
+
+        self.strategy = None
+        if engine == "tf-collective":
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
+            self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
+        else:
+            from tf_adasum import mpi
+
+            self.rank, self.size = mpi.rank(), mpi.size()
+
+    def scope(self):
+        import tensorflow as tf
+
+        return (self.strategy or tf.distribute.get_strategy()).scope()
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.strategy is not None:
+            from tf_adasum.cross_device_ops import sum_over_workers
+
+            return sum_over_workers(self.strategy, values)
+        from tf_adasum import mpi
+
+        means = mpi.allreduce_mean({str(i): v for i, v in enumerate(values)})
+        return [means[str(i)] * self.size for i in range(len(values))]
+
+
+def _main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="one process of a tf_adasum evaluation run")
+    parser.add_argument("config")
+    parser.add_argument("result_path")
+    parser.add_argument("--data-dir")
+    parser.add_argument("--no-stop", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_adasum.eval import runner
+    from tf_adasum.eval.data import as_float_images, load_dataset
+    from tf_adasum.eval.models import build
+
+    config = runner.RunConfig(**json.loads(args.config)).validate()
+    processes = _Processes(config.engine)
+    rank, size = processes.rank, processes.size
+    keras.utils.set_random_seed(config.seed)
+    (x_train, y_train), (x_test, y_test) = runner.subset(config, load_dataset(config.dataset, args.data_dir))
+    global_batch = config.replicas * config.batch_per_replica
+    steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every process
+    images, labels = as_float_images(x_train[rank::size]), y_train[rank::size].astype("int32")
+    train = (
+        tf.data.Dataset.from_tensor_slices((images, labels))
+        .shuffle(len(images), seed=config.seed + rank, reshuffle_each_iteration=True)
+        .repeat()
+        .batch(config.batch_per_replica)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    if processes.strategy is not None:
+        dataset = train
+        train = processes.strategy.distribute_datasets_from_function(lambda context: dataset)
+    with processes.scope():
+        model = build(config.model)
+        model.compile(
+            optimizer=runner.optimizer_for(config),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            jit_compile=False,
+        )
+    test_images, test_labels = as_float_images(x_test[rank::size]), y_test[rank::size]
+    predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1))
+    accuracy, seconds = [], []
+
+    class EpochEnd(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            seconds.append(time.perf_counter() - self.start)
+            correct = sum(
+                int(np.sum(predict(test_images[i : i + 1000]).numpy() == test_labels[i : i + 1000]))
+                for i in range(0, len(test_images), 1000)
+            )
+            total_correct, total = processes.sum([correct, len(test_labels)])
+            accuracy.append(total_correct / total)
+            if rank == 0:
+                print(f"{_PROGRESS}{epoch + 1} {accuracy[-1]} {seconds[-1]}", flush=True)
+            if not args.no_stop and accuracy[-1] >= config.target:
+                self.model.stop_training = True
+
+    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
+    processes.sum([0.0])  # no process leaves while another still trains
+    if rank == 0:
+        with open(args.result_path, "w", encoding="utf-8") as f:
+            json.dump(runner.record(config, accuracy, seconds, not args.no_stop), f)
+    sys.stdout.flush()
+    if processes.strategy is None:
+        from tf_adasum.comm.mpi import mpi
+
+        mpi().Finalize()
+    os._exit(0)  # skip TF's teardown, which can wait on workers that already left
+
+
+if __name__ == "__main__":
+    _main()
