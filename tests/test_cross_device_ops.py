@@ -181,3 +181,41 @@ def test_constructor_arguments_are_checked():
         tf_adasum.AdasumCrossDeviceOps(options=5)
     with pytest.raises(ValueError, match="must not itself be"):
         tf_adasum.AdasumCrossDeviceOps(fallback=tf_adasum.AdasumCrossDeviceOps())
+
+
+@pytest.mark.parametrize("workers, per_worker", [(2, 2), (3, 2), (2, 3)])
+def test_hierarchical_with_several_devices_per_worker(workers, per_worker, rng):
+    """Each "worker" (a group of local devices) builds its part as in a
+    multi-worker process; here all of them live in one graph. The result is
+    Adasum over the workers' means, on every device."""
+    n = workers * per_worker
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+    sizes = [5, 300]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
+
+    @tf.function(autograph=False)
+    def run():
+        outputs = []
+        for w in range(workers):
+            ranks = tuple(range(w * per_worker, (w + 1) * per_worker))
+            values = []
+            for t in range(len(sizes)):
+                components = []
+                for r in ranks:
+                    with tf.device(devices[r]):
+                        components.append(tf.constant(per_rank[r][t]))
+                values.append(tuple(components))
+            outputs += cdo._build(values, devices, ranks, tf_adasum.combiners.Adasum(), 0, 60.0, False, True)
+        return outputs
+
+    outputs = run()
+    worker_means = [
+        [np.mean([per_rank[r][t].astype(np.float64) for r in range(w * per_worker, (w + 1) * per_worker)], axis=0)
+         for t in range(len(sizes))]
+        for w in range(workers)
+    ]  # fmt: skip
+    expected = tf_adasum.reference.adasum_tree(worker_means)
+    for rank_outputs in outputs:
+        for t, (got, want) in enumerate(zip(rank_outputs, expected)):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+            assert got.numpy().tobytes() == outputs[0][t].numpy().tobytes()
