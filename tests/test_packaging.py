@@ -43,6 +43,7 @@ def test_public_api():
             "__version__",
             "adasum_pair",
             "combiners",
+            "mpi",
             "reference",
         ]
     )

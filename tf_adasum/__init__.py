@@ -6,7 +6,12 @@ Public API:
   AdasumCrossDeviceOps   a `tf.distribute.CrossDeviceOps` carrying the collective
   AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
   AdasumDiagnostics      a Keras callback with per-tensor diagnostics of the combine
-  combiners              combiner objects ("adasum", "sum", "mean")
+  combiners              combiner objects ("adasum", "sum", "mean", AdaCons)
+  mpi                    rank(), size(), local_rank(), MetricAverageCallback for mpirun jobs
+
+Engines: MirroredStrategy and MultiWorkerMirroredStrategy (TF collective ops),
+and MPI ranks (`tf_adasum.comm.mpi`, mpi4py imported only when used). The
+launcher: `tf-adasum launch -n N script.py` / `python -m tf_adasum.launch`.
 """
 
 __version__ = "0.1.0"
@@ -47,7 +52,7 @@ def _check_keras_backend() -> None:
 
 _check_keras_backend()
 
-from tf_adasum import combiners, compat, reference  # noqa: E402
+from tf_adasum import combiners, compat, mpi, reference  # noqa: E402
 from tf_adasum.callbacks import AdasumDiagnostics  # noqa: E402
 from tf_adasum.cross_device_ops import AdasumCrossDeviceOps  # noqa: E402
 from tf_adasum.ops import adasum_pair  # noqa: E402
@@ -62,5 +67,6 @@ __all__ = [
     "__version__",
     "adasum_pair",
     "combiners",
+    "mpi",
     "reference",
 ]
