@@ -3,6 +3,7 @@ the `tf-adasum launch` launcher. Each test starts its own cluster."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -183,3 +184,22 @@ def test_scaling_evaluation_runs_on_this_engine(tmp_path, capsys):
         assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
         assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
         assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance
+
+
+def test_launcher_stopped_by_sigterm_stops_its_workers(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text(_FAILING_SCRIPT.replace("if index == 1:", "if False:"))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tf_adasum.launch", "-n", "2", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pids{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    pids = [int(p) for i in range(2) for p in (tmp_path / f"pids{i}").read_text().split()]
+    assert not [pid for pid in pids if _alive(pid)], "processes left behind"

@@ -140,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"-n must be >= 1. Received: -n {args.num_workers}")
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script!r}")
+    # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C, so the workers are stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return launch(args.num_workers, [sys.executable, args.script, *args.args])
 
 

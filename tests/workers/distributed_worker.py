@@ -182,6 +182,10 @@ def run_uneven(engine, out):
         model = dense_model(seed=1)
         model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD().keras()), loss="mse")
     _report(out, "uneven", engine.rank, lambda: engine.fit(model, x, y, steps))
+    if engine.rank != 0:
+        # Stay alive until rank 0's collective has timed out: a vanished peer
+        # would be reported by the strategy's heartbeat instead.
+        time.sleep(TIMEOUT_SECONDS + 5)
 
 
 def _report(out, task, rank, fn):
