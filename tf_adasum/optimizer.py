@@ -29,30 +29,20 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
-from tf_adasum import mpi as mpi_lib
+from tf_adasum import engines
 from tf_adasum.comm import mpi as mpi_engine
-from tf_adasum.cross_device_ops import AdasumCrossDeviceOps, sum_over_workers
+from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
 
 __all__ = ["AdasumOptimizer"]
 
 MODES = ("delta", "gradient")
 BACKENDS = ("auto", "tf", "mpi")
-
-#: Three 10-bit digests of the variable list travel with the per-step finite
-#: check; sums of d and d^2 stay exact in float64 for up to 4096 replicas.
-_DIGESTS, _DIGEST_BITS = 3, 10
-
-
-def _variable_digests(variables) -> list[float]:
-    digest = int(mpi_lib.signature_digest(mpi_lib.variable_signature(variables)), 16)
-    return [float((digest >> (_DIGEST_BITS * i)) & ((1 << _DIGEST_BITS) - 1)) for i in range(_DIGESTS)]
 
 
 class _DiagnosticsState:
@@ -63,12 +53,6 @@ class _DiagnosticsState:
         self.variable: tf.Variable | None = None
         self.num_replicas = 1
         self.with_levels = False
-
-
-def _has_value(variable) -> bool:
-    """False for a variable created in a `tf.function` being traced (it is
-    initialised when the function first runs; reading it gives an empty array)."""
-    return np.shape(variable.numpy()) == tuple(variable.shape)
 
 
 def _tf_variable(variable):
@@ -219,84 +203,25 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         if self._diagnostics.enabled:
             self._create_diagnostics_variable()
         if self._uses_mpi(self._distribution_strategy):
-            self._synchronize_ranks(var_list)
+            engines.broadcast_from_rank_0(var_list, self.variables)
 
     # -- engines -----------------------------------------------------------------
 
     def _uses_mpi(self, strategy) -> bool:
-        """Whether this optimizer combines over MPI ranks (see `backend`).
-
-        Raises for combinations it cannot serve, rather than train locally only.
-        """
-        multi_replica = strategy.num_replicas_in_sync > 1
-        launched = mpi_engine.launched_by_mpi()
-        if multi_replica and (self.backend == "mpi" or (self.backend == "auto" and launched)):
-            raise ValueError(
-                f"AdasumOptimizer(backend={self.backend!r}) in a process started by an MPI launcher cannot also "
-                f"combine the {strategy.num_replicas_in_sync} replicas of a tf.distribute strategy: run one MPI "
-                "rank per device without a strategy, or use MultiWorkerMirroredStrategy (TF_CONFIG) without mpirun."
-            )
-        if multi_replica:
-            return False
-        if self.backend == "tf" and launched:
-            raise ValueError(
-                "AdasumOptimizer(backend='tf') has one replica in a process started by an MPI launcher, so it "
-                "would train each rank alone. Use backend='auto' or 'mpi' under mpirun, or a multi-replica "
-                "tf.distribute strategy."
-            )
-        return self.backend == "mpi" or (self.backend == "auto" and launched)
+        """Whether this optimizer combines over MPI ranks (see `backend`)."""
+        return engines.uses_mpi(self.backend, strategy)
 
     def _check_same_variables(self, var_list):
-        """Across processes, before any optimizer variable is created (their
-        creation is itself a collective): a clear error on every process when
-        the trainable variable lists (shapes, dtypes, order) differ."""
-        strategy = self._distribution_strategy
-        if self._uses_mpi(strategy):
-            with tf.init_scope():
-                self._mpi()  # MPI and its sub-communicators, created in the same order on every rank
-                mpi_lib.check_same_variables(var_list, "trainable variables")
-            return
-        if getattr(strategy.extended, "_num_workers", 1) == 1:
-            return
-        digests = _variable_digests(var_list)
-        options = getattr(strategy.extended, "_communication_options", None)
-        timeout = options.timeout_seconds if options is not None else None
-        totals = sum_over_workers(strategy, [1.0] + [x for d in digests for x in (d, d * d)], timeout)
-        workers = totals[0]
-        if any(workers * totals[2 + 2 * i] != totals[1 + 2 * i] ** 2 for i in range(len(digests))):
-            signature = mpi_lib.variable_signature(var_list)
-            raise ValueError(
-                "The trainable variables differ across the workers of the MultiWorkerMirroredStrategy "
-                f"(shapes, dtypes or order); every worker must build the same model. This worker "
-                f"(task {strategy.extended._id_in_cluster}) has {len(signature)}: {signature[:8]}"
-                f"{' ...' if len(signature) > 8 else ''}"
-            )
+        over_mpi = self._uses_mpi(self._distribution_strategy)
+        if over_mpi:
+            self._mpi()  # MPI and its sub-communicators, made in the same order on every rank
+        engines.check_same_variables(self._distribution_strategy, var_list, over_mpi)
 
     def _mpi(self) -> mpi_engine.MPIOps:
         if self._mpi_ops is None:
-            self._mpi_ops = mpi_engine.MPIOps()
+            with tf.init_scope():
+                self._mpi_ops = mpi_engine.MPIOps()
         return self._mpi_ops
-
-    def _synchronize_ranks(self, var_list):
-        """MPI: gives every rank rank 0's model and optimizer variables (after
-        `_check_same_variables`).
-        Runs eagerly, before the first step (also when built while tracing).
-
-        Optimizer variables that this build creates inside a `tf.function`
-        have no value yet; they start from their initializers (zeros), the same
-        on every rank. Model variables must have values by then.
-        """
-        with tf.init_scope():
-            unset = [v.path for v in var_list if not _has_value(v)]
-            if unset:
-                raise ValueError(
-                    "Under MPI, AdasumOptimizer broadcasts rank 0's weights before the first step, but these "
-                    f"variables have no value yet: {unset[:5]}. Build the model before training (give it an "
-                    "`keras.Input`, or call `model.build(input_shape)`)."
-                )
-            own = [v for v in self.variables if _has_value(v)]
-            mpi_lib.check_same_variables(own, "optimizer variables")
-            mpi_lib.broadcast_variables(list(var_list) + own, root_rank=0)
 
     # -- diagnostics (see tf_adasum.AdasumDiagnostics) ------------------------------
 
@@ -305,7 +230,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         float64 scalars per tensor, no extra full-size communication). Traced
         train functions must be traced again for it to take effect."""
         strategy = self._distribution_strategy
-        if self._uses_mpi(strategy) or getattr(strategy.extended, "_num_workers", 1) > 1:
+        if self._uses_mpi(strategy) or engines.num_workers(strategy) > 1:
             raise NotImplementedError(
                 "AdasumDiagnostics is available on one worker (MirroredStrategy) only: across worker "
                 "processes or MPI ranks each process sees only its own replicas' deltas."
@@ -412,7 +337,9 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         """Cross-replica context: grads are per-replica local mean gradients of
         `keras_variables` (those that have gradients)."""
         combine = self._make_combine(strategy, keras_variables)
-        all_finite = self._agree(strategy, grads, keras_variables)
+        cross = self._cross_device_ops(strategy)
+        mpi_sum = cross.sum if isinstance(cross, mpi_engine.MPIOps) else None
+        all_finite = engines.agree(strategy, grads, keras_variables, self._num_combined(strategy), mpi_sum)
         k = self.backward_passes_per_step
 
         def step():
@@ -464,41 +391,6 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             with_levels=self._diagnostics.with_levels,
         )
         self._diagnostics.variable.assign(statistics)
-
-    def _agree(self, strategy, grads, keras_variables) -> tf.Tensor:
-        """One tiny all-reduce per step, before any combine: True when every
-        replica's gradients are finite (the same answer on all replicas); and an
-        error on every replica when the replicas' variable lists (shapes,
-        dtypes, order) differ, instead of mismatched collectives that hang."""
-        digests = _variable_digests(keras_variables)
-
-        def local_vector(*local_grads):
-            ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in local_grads])
-            statistics = [tf.cast(tf.logical_not(ok), tf.float64)]
-            for d in digests:
-                statistics += [tf.constant(d, tf.float64), tf.constant(d * d, tf.float64)]
-            return tf.stack(statistics)
-
-        per_replica = strategy.extended.call_for_each_replica(local_vector, args=tuple(grads))
-        cross = self._cross_device_ops(strategy)
-        if isinstance(cross, mpi_engine.MPIOps):
-            total = cross.sum(per_replica)
-        else:
-            total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-        n = tf.constant(float(self._num_combined(strategy)), tf.float64)
-        # n * sum(d^2) == sum(d)^2 exactly when every replica has the same digest.
-        same = tf.reduce_all(tf.equal(n * total[2::2], tf.square(total[1::2])))
-        signature = mpi_lib.variable_signature(keras_variables)
-        check = tf.debugging.Assert(
-            same,
-            [
-                "AdasumOptimizer: the replicas' variable lists differ (shapes, dtypes or order); every "
-                f"replica must build the same model. This replica has {len(signature)} variables: "
-                f"{signature[:8]}{' ...' if len(signature) > 8 else ''}"
-            ],
-        )
-        with tf.control_dependencies([check]):
-            return tf.equal(total[0], 0.0)
 
     def _step(self, strategy, combine, grads, keras_variables):
         variables = [_tf_variable(v) for v in keras_variables]
