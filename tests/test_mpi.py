@@ -112,8 +112,29 @@ def test_launcher_detection(monkeypatch):
     )
     monkeypatch.setenv("PMI_SIZE", "1")
     assert not mpi_engine.launched_by_mpi()
-    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     assert mpi_engine.launched_by_mpi()
+
+
+def test_mpi4py_from_another_mpi_than_the_launcher_is_an_error(monkeypatch):
+    class FakeWorld:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 1  # what each rank sees when mpi4py's MPI is not the launcher's
+
+    class FakeMPI:
+        COMM_WORLD = FakeWorld()
+
+        @staticmethod
+        def Get_library_version():
+            return "Some MPI 1.0\n"
+
+    _pretend_mpirun(monkeypatch, size=4)
+    monkeypatch.setattr(mpi_engine, "mpi", lambda: FakeMPI)
+    with pytest.raises(RuntimeError, match="started 4 ranks, but MPI's COMM_WORLD here has 1.*Some MPI 1.0"):
+        mpi_engine.World()
 
 
 def test_missing_mpi4py_names_the_fix(monkeypatch):

@@ -48,23 +48,28 @@ INSTALL_HINT = (
     "or mpi4py built against your cluster's MPI (`pip install mpi4py` with `mpicc` on PATH)"
 )
 
-#: Environment variables MPI launchers set to the world size (Open MPI, MPICH/Hydra, PMIx, Intel MPI, Slurm).
-LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+#: Environment variables MPI launchers set to the world size (Open MPI, MPICH/Hydra, PMIx, Intel MPI, srun).
+LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
 
 #: Seconds an MPI call may wait for its peers (``TF_ADASUM_MPI_TIMEOUT`` overrides; 0 waits forever).
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
-def launched_by_mpi() -> bool:
-    """True when an MPI launcher started this process with world size > 1
-    (read from the launcher's environment; mpi4py is not imported)."""
+def launcher_world_size() -> int:
+    """The world size an MPI launcher announced in this process's environment
+    (1 when none did; mpi4py is not imported)."""
+    sizes = [1]
     for name in LAUNCHER_SIZE_VARIABLES:
         try:
-            if int(os.environ.get(name, "1")) > 1:
-                return True
+            sizes.append(int(os.environ.get(name, "1")))
         except ValueError:
             continue
-    return False
+    return max(sizes)
+
+
+def launched_by_mpi() -> bool:
+    """True when an MPI launcher started this process with world size > 1."""
+    return launcher_world_size() > 1
 
 
 def mpirun_command(num_ranks: int) -> list[str]:
@@ -134,6 +139,13 @@ class World:
         MPI = mpi()
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        announced = launcher_world_size()
+        if self.size == 1 and announced > 1:
+            raise RuntimeError(
+                f"The MPI launcher started {announced} ranks, but MPI's COMM_WORLD here has 1: mpi4py is "
+                f"linked against a different MPI than the launcher's, so every rank would train alone. "
+                f"Use the mpirun of the MPI that mpi4py was built with ({MPI.Get_library_version().splitlines()[0]})."
+            )
         self.node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = self.comm.Split(color=self.local_rank, key=self.rank)
