@@ -19,7 +19,7 @@ test: install
 	$(PY) -m pytest
 
 test-quick: install
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not multiworker and not mpi"
 
 lint: install
 	$(VENV)/bin/ruff check $(wildcard tf_adasum tests benchmarks examples)
