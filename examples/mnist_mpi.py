@@ -40,11 +40,10 @@ def main(argv=None):
     args = parse_args(argv)
     import keras
     import numpy as np
-    import tensorflow as tf
 
     import tf_adasum
     from tf_adasum import mpi as adasum_mpi
-    from tf_adasum.eval.data import as_float_images, load_mnist
+    from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 
     rank, size = adasum_mpi.rank(), adasum_mpi.size()
@@ -54,14 +53,8 @@ def main(argv=None):
     steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every rank
     # The single-worker learning rate, no scaling with the number of workers (Adasum adapts).
     learning_rate = keras.optimizers.schedules.CosineDecay(args.lr, args.epochs * steps_per_epoch, alpha=0.1)
-    images, labels = as_float_images(x_train[rank::size]), y_train[rank::size].astype("int32")
-    train = (
-        tf.data.Dataset.from_tensor_slices((images, labels))
-        .shuffle(len(images), seed=args.seed + rank)
-        .repeat()  # so that every rank runs steps_per_epoch steps, whatever its shard's size
-        .batch(args.batch_per_rank)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+    # This rank's shard, repeated: every rank runs steps_per_epoch steps, whatever its shard's size.
+    train, _ = training_stream(x_train[rank::size], y_train[rank::size], args.batch_per_rank, args.seed + rank)
     model = lenet5()
     model.compile(
         optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(learning_rate), combiner=args.combiner),

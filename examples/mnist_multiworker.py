@@ -49,7 +49,7 @@ def main(argv=None):
 
     import tf_adasum
     from tf_adasum.cross_device_ops import sum_over_workers
-    from tf_adasum.eval.data import as_float_images, load_mnist
+    from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
@@ -70,14 +70,7 @@ def main(argv=None):
         # This worker's shard, repeated: every worker runs steps_per_epoch steps per epoch.
         index, count = context.input_pipeline_id, context.num_input_pipelines
         batch = context.get_per_replica_batch_size(global_batch)
-        images, labels = as_float_images(x_train[index::count]), y_train[index::count].astype("int32")
-        return (
-            tf.data.Dataset.from_tensor_slices((images, labels))
-            .shuffle(len(images), seed=args.seed + index)
-            .repeat()
-            .batch(batch)
-            .prefetch(tf.data.AUTOTUNE)
-        )
+        return training_stream(x_train[index::count], y_train[index::count], batch, args.seed + index)[0]
 
     train = strategy.distribute_datasets_from_function(dataset_fn)
     with strategy.scope():

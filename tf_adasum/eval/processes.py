@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 __all__ = ["run_in_processes"]
@@ -109,8 +108,7 @@ def _main(argv=None) -> None:
     import tensorflow as tf
 
     from tf_adasum.eval import runner
-    from tf_adasum.eval.data import as_float_images, load_dataset
-    from tf_adasum.eval.models import build
+    from tf_adasum.eval.data import as_float_images, load_dataset, training_stream
 
     config = runner.RunConfig(**json.loads(args.config)).validate()
     processes = _Processes(config.engine)
@@ -118,52 +116,36 @@ def _main(argv=None) -> None:
     keras.utils.set_random_seed(config.seed)
     (x_train, y_train), (x_test, y_test) = runner.subset(config, load_dataset(config.dataset, args.data_dir))
     global_batch = config.replicas * config.batch_per_replica
-    steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every process
-    images, labels = as_float_images(x_train[rank::size]), y_train[rank::size].astype("int32")
-    train = (
-        tf.data.Dataset.from_tensor_slices((images, labels))
-        .shuffle(len(images), seed=config.seed + rank, reshuffle_each_iteration=True)
-        .repeat()
-        .batch(config.batch_per_replica)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+    steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every process, whatever its shard's size
+    train, _ = training_stream(x_train[rank::size], y_train[rank::size], config.batch_per_replica, config.seed + rank)
     if processes.strategy is not None:
         dataset = train
         train = processes.strategy.distribute_datasets_from_function(lambda context: dataset)
     with processes.scope():
-        model = build(config.model)
-        model.compile(
-            optimizer=runner.optimizer_for(config),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-            jit_compile=False,
-        )
+        model = runner.compiled_model(config, jit_compile=False)
     test_images, test_labels = as_float_images(x_test[rank::size]), y_test[rank::size]
     predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1))
-    accuracy, seconds = [], []
 
-    class EpochEnd(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+    def measure_accuracy(_model):
+        """This process's shard of the test set, counts summed over the processes."""
+        correct = sum(
+            int(np.sum(predict(test_images[i : i + 1000]).numpy() == test_labels[i : i + 1000]))
+            for i in range(0, len(test_images), 1000)
+        )
+        total_correct, total = processes.sum([correct, len(test_labels)])
+        return total_correct / total
 
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-            correct = sum(
-                int(np.sum(predict(test_images[i : i + 1000]).numpy() == test_labels[i : i + 1000]))
-                for i in range(0, len(test_images), 1000)
-            )
-            total_correct, total = processes.sum([correct, len(test_labels)])
-            accuracy.append(total_correct / total)
-            if rank == 0:
-                print(f"{_PROGRESS}{epoch + 1} {accuracy[-1]} {seconds[-1]}", flush=True)
-            if not args.no_stop and accuracy[-1] >= config.target:
-                self.model.stop_training = True
+    def report(epoch, accuracy, seconds):
+        print(f"{_PROGRESS}{epoch} {accuracy} {seconds}", flush=True)
 
-    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
+    epoch_end = runner.EpochEnd(
+        measure_accuracy, None if args.no_stop else config.target, report if rank == 0 else None
+    )
+    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[epoch_end])
     processes.sum([0.0])  # no process leaves while another still trains
     if rank == 0:
         with open(args.result_path, "w", encoding="utf-8") as f:
-            json.dump(runner.record(config, accuracy, seconds, not args.no_stop), f)
+            json.dump(runner.record(config, epoch_end.accuracy, epoch_end.seconds, not args.no_stop), f)
     sys.stdout.flush()
     if processes.strategy is None:
         from tf_adasum.comm.mpi import mpi

@@ -17,11 +17,23 @@ import sys
 import time
 from collections.abc import Callable
 
+import keras
+
 from tf_adasum.eval import metrics
 from tf_adasum.eval.data import DATASETS
 from tf_adasum.eval.models import TRAINING_MODELS
 
-__all__ = ["COMBINERS", "ENGINES", "RunConfig", "optimizer_for", "record", "run", "subset"]
+__all__ = [
+    "COMBINERS",
+    "ENGINES",
+    "EpochEnd",
+    "RunConfig",
+    "compiled_model",
+    "optimizer_for",
+    "record",
+    "run",
+    "subset",
+]
 
 COMBINERS = ("adasum", "adacons", "mean", "sum", "keras")
 ENGINES = ("local-devices", "tf-collective", "mpi")
@@ -90,8 +102,6 @@ class RunConfig:
 
 def optimizer_for(config: RunConfig):
     """The configuration's optimizer: Adam, wrapped unless it is the `keras` baseline."""
-    import keras
-
     import tf_adasum
 
     inner = keras.optimizers.Adam(config.lr)
@@ -138,12 +148,10 @@ def run(
         from tf_adasum.eval.processes import run_in_processes
 
         return run_in_processes(config, stop_at_target, progress, data_dir)
-    import keras
     import tensorflow as tf
 
     import tf_adasum
     from tf_adasum.eval.data import as_float_images, training_stream
-    from tf_adasum.eval.models import build
 
     keras.utils.set_random_seed(config.seed)
     (x_train, y_train), (x_test, y_test) = subset(config, data)
@@ -154,30 +162,59 @@ def run(
         devices[: config.replicas], cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
     )
     with strategy.scope():
-        model = build(config.model)
-        model.compile(
-            optimizer=optimizer_for(config),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
-    accuracy, seconds = [], []
+        model = compiled_model(config)
+    epoch_end = EpochEnd(
+        lambda model: float(model.evaluate(x_test, y_test, batch_size=1000, verbose=0)[1]),
+        config.target if stop_at_target else None,
+        progress,
+    )
+    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[epoch_end])
+    return record(config, epoch_end.accuracy, epoch_end.seconds, stop_at_target)
 
-    class EpochEnd(keras.callbacks.Callback):
-        """Times each epoch's training, then measures test accuracy (untimed)."""
 
-        def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+def compiled_model(config: RunConfig, **compile_options):
+    """The configuration's model, compiled with its optimizer (call in the strategy's scope)."""
+    from tf_adasum.eval.models import build
 
-        def on_epoch_end(self, epoch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-            accuracy.append(float(self.model.evaluate(x_test, y_test, batch_size=1000, verbose=0)[1]))
-            if progress is not None:
-                progress(epoch + 1, accuracy[-1], seconds[-1])
-            if stop_at_target and accuracy[-1] >= config.target:
-                self.model.stop_training = True
+    model = build(config.model)
+    model.compile(
+        optimizer=optimizer_for(config),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_options,
+    )
+    return model
 
-    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
-    return record(config, accuracy, seconds, stop_at_target)
+
+class EpochEnd(keras.callbacks.Callback):
+    """Times each epoch's training, then measures test accuracy (untimed);
+    reports it to `progress` and stops training once it reaches `target`.
+
+    Args:
+      measure_accuracy: ``model -> test accuracy``.
+      target: stop at this accuracy (None: train the whole budget).
+      progress: called with (epoch, test accuracy, seconds), or None.
+
+    Attributes:
+      accuracy, seconds: per epoch.
+    """
+
+    def __init__(self, measure_accuracy, target: float | None, progress=None):
+        super().__init__()
+        self.measure_accuracy, self.target, self.progress = measure_accuracy, target, progress
+        self.accuracy: list[float] = []
+        self.seconds: list[float] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self.start)
+        self.accuracy.append(self.measure_accuracy(self.model))
+        if self.progress is not None:
+            self.progress(epoch + 1, self.accuracy[-1], self.seconds[-1])
+        if self.target is not None and self.accuracy[-1] >= self.target:
+            self.model.stop_training = True
 
 
 def record(config: RunConfig, accuracy: list[float], seconds: list[float], stop_at_target: bool) -> dict:
