@@ -139,25 +139,10 @@ def _workers_worker(args):
     """One worker of a localhost MultiWorkerMirroredStrategy cluster."""
     import tf_adasum
 
-    dtype = tf.as_dtype(args.dtype)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
-    n = strategy.num_replicas_in_sync
-    with strategy.scope():
-        adasum = tf.function(lambda v: cross_device_ops.batch_reduce_adasum([v]))
-        rvh_sum = tf.function(lambda v: cross_device_ops.batch_reduce_combine([v], "sum"))
-        native = tf.function(lambda v: strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(v, v)]))
-        for size in args.sizes:
-            elements = size // dtype.size
-            value = strategy.experimental_distribute_values_from_function(
-                lambda ctx, elements=elements: tf.cast(
-                    tf.random.stateless_normal([elements], seed=[ctx.replica_id_in_sync_group, 7]), dtype
-                )
-            )
-            # Fixed repeat counts: every worker must issue the same collectives.
-            times = [_median_ms(fn, value, args.process_repeats, 0.0) for fn in (adasum, native, rvh_sum)]
-            if strategy.cluster_resolver.task_id == 0:
-                print(json.dumps(_record("workers", n, dtype, elements, *times)), flush=True)
+    # Fixed repeat counts: every worker must issue the same collectives.
+    is_chief = strategy.cluster_resolver.task_id == 0
+    _bench_strategy("workers", strategy, tf_adasum.AdasumCrossDeviceOps(), args, args.process_repeats, 0.0, is_chief)
     os._exit(0)  # skip TF's teardown, which can wait on peers that already left
 
 
@@ -200,11 +185,21 @@ def _mpi_rank(args):
 
 
 def _bench_replicas(n, args):
+    """N logical CPU devices of this process. The strategy's SUM goes through
+    AdasumCrossDeviceOps' fallback, TF's default CollectiveAllReduce with its own
+    keys: two plain MirroredStrategies of different sizes in one process would
+    collide on TF's group key 1."""
     import tf_adasum
 
-    dtype = tf.as_dtype(args.dtype)
     cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)], cross_device_ops=cross_device_ops)
+    _bench_strategy("local", strategy, cross_device_ops, args, args.repeats, args.min_seconds, True)
+
+
+def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report):
+    """Times Adasum, the strategy's native SUM all-reduce and the plain-sum
+    collective for each size; prints the record when `report`."""
+    dtype = tf.as_dtype(args.dtype)
     with strategy.scope():
         adasum = tf.function(lambda v: cross_device_ops.batch_reduce_adasum([v]))
         rvh_sum = tf.function(lambda v: cross_device_ops.batch_reduce_combine([v], "sum"))
@@ -216,16 +211,10 @@ def _bench_replicas(n, args):
                     tf.random.stateless_normal([elements], seed=[ctx.replica_id_in_sync_group, 7]), dtype
                 )
             )
-            record = _record(
-                "local",
-                n,
-                dtype,
-                elements,
-                _median_ms(adasum, value, args.repeats, args.min_seconds),
-                _median_ms(native, value, args.repeats, args.min_seconds),
-                _median_ms(rvh_sum, value, args.repeats, args.min_seconds),
-            )
-            print(json.dumps(record), flush=True)
+            times = [_median_ms(fn, value, repeats, min_seconds) for fn in (adasum, native, rvh_sum)]
+            if report:
+                record = _record(engine, strategy.num_replicas_in_sync, dtype, elements, *times)
+                print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
