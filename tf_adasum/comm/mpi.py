@@ -215,6 +215,18 @@ class _Chain:
         return out
 
 
+def _sum_float64(chain: _Chain, comm, x: tf.Tensor, timeout: float, what: str) -> tf.Tensor:
+    """The elementwise sum of float64 `x` over the ranks of `comm` (one ``Iallreduce``)."""
+
+    def allreduce(values):
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        out = np.empty_like(values)
+        _wait([comm.Iallreduce(values, out, op=mpi().SUM)], timeout, what)
+        return out
+
+    return chain.call(allreduce, [x], tf.float64, x.shape)
+
+
 class MPICommunicator:
     """One rank's `rvh.Communicator` over an mpi4py communicator.
 
@@ -267,14 +279,7 @@ class MPICommunicator:
 
     def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
         sub = self._sum_comms[tuple(members)]
-
-        def allreduce(values):
-            values = np.ascontiguousarray(values, dtype=np.float64)
-            out = np.empty_like(values)
-            _wait([sub.Iallreduce(values, out, op=mpi().SUM)], self._timeout, f"the partial sums over ranks {members}")
-            return out
-
-        return self._chain.call(allreduce, [x], tf.float64, x.shape)
+        return _sum_float64(self._chain, sub, x, self._timeout, f"the partial sums over ranks {members}")
 
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
         def send(values):
@@ -345,16 +350,8 @@ class MPIOps:
     @tf.autograph.experimental.do_not_convert
     def sum(self, x: tf.Tensor) -> tf.Tensor:
         """Elementwise SUM of a small tensor over all ranks (float64 on the wire)."""
-        comm = self.world.comm
-
-        def allreduce(values):
-            values = np.ascontiguousarray(values, dtype=np.float64)
-            out = np.empty_like(values)
-            _wait([comm.Iallreduce(values, out, op=mpi().SUM)], self.timeout_seconds, "a sum over all ranks")
-            return out
-
         x = tf.cast(x, tf.float64)
-        return self._chain.call(allreduce, [x], tf.float64, x.shape)
+        return _sum_float64(self._chain, self.world.comm, x, self.timeout_seconds, "a sum over all ranks")
 
     @tf.autograph.experimental.do_not_convert
     def all_gather(self, x: tf.Tensor) -> tf.Tensor:
