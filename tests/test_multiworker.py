@@ -1,7 +1,6 @@
 """MultiWorkerMirroredStrategy across real worker processes on localhost, and
 the `tf-adasum launch` launcher. Each test starts its own cluster."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess import WORKER, check_collective, check_train, read_reports, worker_env
+from multiprocess import WORKER, check_collective, check_evaluation_engine, check_train, read_reports, worker_env
 
 from tf_adasum import launch, reference
 
@@ -168,22 +167,8 @@ def test_launcher_rejects_bad_arguments(tmp_path):
 
 
 @pytest.mark.multiworker
-def test_scaling_evaluation_runs_on_this_engine(tmp_path, capsys):
-    from tf_adasum.eval import cli
-
-    argv = [
-        "--engine", "tf-collective", "--combiners", "adasum", "keras", "--replicas", "2", "--batch-per-replica", "16",
-        "--epochs", "2", "--train-examples", "320", "--test-examples", "200", "--target", "0.99", "--no-stop",
-        "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert cli.main(argv) == 0
-    records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
-    assert [r["combiner"] for r in records] == ["adasum", "keras"]
-    for record in records:
-        assert record["engine"] == "tf-collective" and record["replicas"] == 2 and record["effective_batch"] == 32
-        assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
-        assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
-        assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance
+def test_scaling_evaluation_runs_on_this_engine(tmp_path):
+    check_evaluation_engine("tf-collective", ["adasum", "keras"], tmp_path)
 
 
 def test_launcher_stopped_by_sigterm_stops_its_workers(tmp_path):
