@@ -127,16 +127,21 @@ def _write_idx(path, array):
         f.write(header + array.astype(np.uint8).tobytes())
 
 
-def test_idx_folder_round_trip(tmp_path):
-    rng = np.random.default_rng(0)
+def _write_idx_folder(folder, rng, train, test):
+    """Random images and labels as the four IDX files; returns the arrays."""
     arrays = [
-        rng.integers(0, 256, (5, 28, 28)),
-        rng.integers(0, 10, 5),
-        rng.integers(0, 256, (3, 28, 28)),
-        rng.integers(0, 10, 3),
+        rng.integers(0, 256, (train, 28, 28)),
+        rng.integers(0, 10, train),
+        rng.integers(0, 256, (test, 28, 28)),
+        rng.integers(0, 10, test),
     ]
     for name, array in zip(data.IDX_FILES, arrays):
-        _write_idx(tmp_path / f"{name}.gz", array)
+        _write_idx(folder / f"{name}.gz", array)
+    return arrays
+
+
+def test_idx_folder_round_trip(tmp_path):
+    arrays = _write_idx_folder(tmp_path, np.random.default_rng(0), 5, 3)
     (x_train, y_train), (x_test, y_test) = data.load_idx_dir(str(tmp_path))
     for got, want in zip((x_train, y_train, x_test, y_test), arrays):
         np.testing.assert_array_equal(got, want)
@@ -161,17 +166,9 @@ def test_run_config_fields_match_the_record():
 
 
 def test_small_resnet_on_idx_data(tmp_path, capsys):
-    rng = np.random.default_rng(1)
     folder = tmp_path / "fashion"
     folder.mkdir()
-    arrays = [
-        rng.integers(0, 256, (64, 28, 28)),
-        rng.integers(0, 10, 64),
-        rng.integers(0, 256, (32, 28, 28)),
-        rng.integers(0, 10, 32),
-    ]
-    for name, array in zip(data.IDX_FILES, arrays):
-        _write_idx(folder / f"{name}.gz", array)
+    _write_idx_folder(folder, np.random.default_rng(1), 64, 32)
     argv = [
         "--models", "resnet", "--datasets", "fashion_mnist", "--data-dir", str(folder), "--combiners", "adasum",
         "--replicas", "2", "--batch-per-replica", "8", "--epochs", "1", "--out", str(tmp_path / "out"),
