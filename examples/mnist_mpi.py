@@ -74,7 +74,7 @@ def main(argv=None):
             train_loss.append(float(logs["loss"]))  # averaged over ranks by MetricAverageCallback
             logits = self.model.predict(test_images, batch_size=1000, verbose=0)
             correct = int(np.sum(np.argmax(logits, axis=-1) == test_labels))
-            totals = adasum_mpi.allreduce_mean({"correct": correct, "count": len(test_labels)})
+            totals = adasum_mpi.allreduce_sum({"correct": correct, "count": len(test_labels)})
             test_accuracy.append(totals["correct"] / totals["count"])
             if rank == 0:
                 print(f"epoch {epoch + 1}: test accuracy {test_accuracy[-1]:.4f}, {epoch_times[-1]:.1f} s", flush=True)

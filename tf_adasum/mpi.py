@@ -7,6 +7,7 @@ Under ``mpirun -np N python train.py`` (or ``srun``):
 * `MetricAverageCallback`: averages epoch metrics over the ranks, so
   ``EarlyStopping``, ``ReduceLROnPlateau`` and checkpoint callbacks decide the
   same on every rank;
+* `allreduce_sum`, `allreduce_mean`: of Python scalars over the ranks;
 * `broadcast_variables`, `check_same_variables`: what `tf_adasum.AdasumOptimizer`
   does itself before the first step (rank 0's values everywhere; a clear error
   on every rank when the variable lists differ).
@@ -32,6 +33,8 @@ from tf_adasum.comm import mpi as engine
 
 __all__ = [
     "MetricAverageCallback",
+    "allreduce_mean",
+    "allreduce_sum",
     "broadcast_variables",
     "check_same_variables",
     "local_rank",
@@ -128,16 +131,21 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
             variable.assign(value)
 
 
-def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
-    """The mean over ranks of each scalar in `values` (same keys on every rank)."""
+def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
+    """The sum over ranks of each scalar in `values` (same keys on every rank)."""
     world = _world()
     if world is None or not values:
-        return dict(values)
+        return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
     local = np.array([float(values[k]) for k in keys], np.float64)
     total = np.empty_like(local)
     world.comm.Allreduce(local, total, op=engine.mpi().SUM)
-    return {k: float(v) / world.size for k, v in zip(keys, total)}
+    return {k: float(v) for k, v in zip(keys, total)}
+
+
+def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
+    """The mean over ranks of each scalar in `values` (same keys on every rank)."""
+    return {k: v / size() for k, v in allreduce_sum(values).items()}
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -90,8 +90,8 @@ class _Processes:
             return sum_over_workers(self.strategy, values)
         from tf_adasum import mpi
 
-        means = mpi.allreduce_mean({str(i): v for i, v in enumerate(values)})
-        return [means[str(i)] * self.size for i in range(len(values))]
+        sums = mpi.allreduce_sum({str(i): v for i, v in enumerate(values)})
+        return [sums[str(i)] for i in range(len(values))]
 
 
 def _main(argv=None) -> None:
