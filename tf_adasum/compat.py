@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_adasum.cross_device_ops import num_workers
+
 __all__ = ["patch_keras_multiworker_fit"]
 
 
 def _is_multi_worker(strategy) -> bool:
-    return getattr(strategy.extended, "_num_workers", 1) > 1
+    return num_workers(strategy) > 1
 
 
 def patch_keras_multiworker_fit() -> None:

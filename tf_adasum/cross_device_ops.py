@@ -81,6 +81,11 @@ def _check_values(per_replica_values: Sequence[Any]) -> list[tuple[tf.Tensor, ..
     return values
 
 
+def num_workers(strategy) -> int:
+    """The number of worker processes of `strategy` (1 unless multi-worker)."""
+    return getattr(strategy.extended, "_num_workers", 1)
+
+
 def cluster_devices(strategy) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """All replica devices of `strategy` in global replica order, and the
     global ranks of this process's replicas.
@@ -92,8 +97,7 @@ def cluster_devices(strategy) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """
     extended = strategy.extended
     local = tuple(extended.worker_devices)
-    num_workers = getattr(extended, "_num_workers", 1)
-    if num_workers == 1:
+    if num_workers(strategy) == 1:
         return local, tuple(range(len(local)))
     cluster = extended._cluster_spec.as_dict()
     tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))]
@@ -333,7 +337,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
             )
         options = self._options.merge(options) if options is not None else self._options
         values = _check_values(per_replica_values)
-        single = len(values[0]) == 1 and getattr(tf.distribute.get_strategy().extended, "_num_workers", 1) == 1
+        single = len(values[0]) == 1 and num_workers(tf.distribute.get_strategy()) == 1
         devices, ranks = ((None,), (0,)) if single else _replica_devices(values[0])
         if len(devices) == 1:
             combined = [distribute_utils.regroup(components, wrap_class=values_lib.Mirrored) for components in values]

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tf_adasum import mpi as mpi_lib
 from tf_adasum.comm import mpi as mpi_engine
-from tf_adasum.cross_device_ops import sum_over_workers
+from tf_adasum.cross_device_ops import num_workers, sum_over_workers
 
 __all__ = ["agree", "broadcast_from_rank_0", "check_same_variables", "num_workers", "uses_mpi"]
 
@@ -29,11 +29,6 @@ __all__ = ["agree", "broadcast_from_rank_0", "check_same_variables", "num_worker
 #: float64 for up to 4096 replicas, and n * sum(d^2) == sum(d)^2 exactly when
 #: every replica has the same d.
 _DIGESTS, _DIGEST_BITS = 3, 10
-
-
-def num_workers(strategy) -> int:
-    """The number of worker processes of `strategy` (1 unless multi-worker)."""
-    return getattr(strategy.extended, "_num_workers", 1)
 
 
 def uses_mpi(backend: str, strategy) -> bool:
