@@ -80,13 +80,17 @@ def test_killed_worker_makes_the_others_fail_within_the_timeout(tmp_path):
     assert report["seconds"] < FAILURE_TIMEOUT + 60
 
 
-def test_uneven_step_counts_end_in_a_timeout(tmp_path):
+def test_uneven_step_counts_end_in_an_error(tmp_path):
     workers = _start_cluster(2, "uneven", tmp_path, TEST_COLLECTIVE_TIMEOUT=str(FAILURE_TIMEOUT))
     assert [w.wait(timeout=300) for w in workers] == [0, 0], _logs(tmp_path, 2)
-    reports = read_reports(tmp_path, "uneven", 2)
-    assert reports[0]["raised"] and reports[0]["type"] == "DeadlineExceededError", reports[0]
-    assert "timed out" in reports[0]["message"]
-    assert reports[0]["seconds"] < FAILURE_TIMEOUT + 60
+    report = read_reports(tmp_path, "uneven", 2)[0]
+    # Rank 0's extra step waits for rank 1, which has left `fit`. Either the
+    # collective times out, or, when rank 1's end-of-fit collective happens to
+    # draw the same instance key first, TF reports the mismatch at once.
+    timed_out = report["type"] == "DeadlineExceededError" and "timed out" in report["message"]
+    mismatched = report["type"] == "InternalError" and "Collective instance" in report["message"]
+    assert report["raised"] and (timed_out or mismatched), report
+    assert report["seconds"] < FAILURE_TIMEOUT + 60
 
 
 # -- the launcher (no TensorFlow in the workers) --------------------------------
