@@ -9,7 +9,10 @@ Three engines (``--engine``, default all):
   started with ``python -m tf_adasum.launch``); native = the strategy's own
   all-reduce (CollectiveAllReduce over gRPC);
 * ``mpi``: N ranks under ``mpirun`` (the MPI engine); native = MPI's own
-  ``Allreduce`` (SUM) of the same buffer, called from numpy.
+  ``Allreduce`` (SUM) of the same buffer, called from numpy; also
+  ``native_tf_ms``, that ``Allreduce`` called through the same tf.function
+  dispatch as the engine (its native op, or a ``tf.numpy_function`` where the
+  native library is unavailable), and ``ratio_native_tf`` = adasum / native_tf.
 
 Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
   adasum_ms    Adasum through tf_adasum (vector halving, float64 dots)
@@ -150,14 +153,26 @@ def _mpi_rank(args):
     """One MPI rank: tf_adasum's MPI engine against MPI's own Allreduce."""
     import numpy as np
 
-    from tf_adasum.comm import mpi as mpi_engine
+    from tf_adasum.comm import mpi as transport
+    from tf_adasum.engines import mpi_native, select
+    from tf_adasum.engines.mpi import MPIEngine
 
-    MPI = mpi_engine.mpi()
-    comm = MPI.COMM_WORLD
+    MPI = transport.mpi()
+    engine = MPIEngine(select.mpi_world())
+    comm = engine.world.comm
     dtype = tf.as_dtype(args.dtype)
-    ops = mpi_engine.MPIOps()
-    adasum = tf.function(lambda v: ops.batch_reduce_combine([v]))
-    rvh_sum = tf.function(lambda v: ops.batch_reduce_combine([v], "sum"))
+    adasum = tf.function(lambda v: engine.combine([v]))
+    rvh_sum = tf.function(lambda v: engine.combine([v], "sum"))
+    if engine.native is not None:
+        native_tf = tf.function(lambda v: mpi_native.allreduce_sum(v, comm, 0.0))
+    else:
+
+        def allreduce(values):
+            out = np.empty_like(values)
+            comm.Allreduce(values, out, op=MPI.SUM)
+            return out
+
+        native_tf = tf.function(lambda v: tf.numpy_function(allreduce, [v], v.dtype, stateful=True))
 
     def synchronised(fn):
         def run(value):
@@ -179,9 +194,14 @@ def _mpi_rank(args):
             comm.Allreduce([buffer, mpi_type], [out, mpi_type], op=MPI.SUM)
             return tf.constant(0)
 
-        times = [_median_ms(synchronised(fn), value, args.process_repeats, 0.0) for fn in (adasum, native, rvh_sum)]
+        fns = (adasum, native, rvh_sum, native_tf)
+        times = [_median_ms(synchronised(fn), value, args.process_repeats, 0.0) for fn in fns]
         if comm.rank == 0:
-            print(json.dumps(_record("mpi", comm.size, dtype, elements, *times)), flush=True)
+            record = _record("mpi", comm.size, dtype, elements, *times[:3])
+            record["native_tf_ms"] = round(times[3], 3)
+            record["ratio_native_tf"] = round(times[0] / times[3], 3)
+            record["native_library"] = engine.native is not None
+            print(json.dumps(record), flush=True)
 
 
 def _bench_replicas(n, args):

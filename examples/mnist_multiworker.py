@@ -48,7 +48,7 @@ def main(argv=None):
     import tensorflow as tf
 
     import tf_adasum
-    from tf_adasum.cross_device_ops import sum_over_workers
+    from tf_adasum.engines.tf import sum_over_workers
     from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
-from simulation import SGD, simulate
+from diagnostics_oracle import assert_statistics_equal, expected_statistics
+from simulation import BATCH, SGD, _grads, simulate
 from simulation import data as simulation_data
 
 from tf_adasum import reference
@@ -67,6 +68,21 @@ def check_train(out: str, n: int, hierarchical_combine) -> None:
                 assert result[f"{name}_{key}"].tobytes() == results[0][f"{name}_{key}"].tobytes()
             assert int(result[f"{name}_iterations"]) == worker.TRAIN_STEPS
             assert float(result[f"{name}_loss"]) == float(results[0][f"{name}_loss"])
+
+
+def check_diagnostics(out: str, n: int) -> None:
+    """Every rank's diagnostics of the first step equal numpy's on the replicas'
+    deltas (SGD 0.1 from rank 0's initial weights, each rank on its shard)."""
+    reports = read_reports(out, "diagnostics", n)
+    x, y = simulation_data(1)
+    initial = [np.asarray(w, np.float64) for w in reports[0]["initial"]]
+    b = BATCH // n
+    grads = [_grads(initial, x[r * b : (r + 1) * b].astype(np.float64), y[r * b : (r + 1) * b]) for r in range(n)]
+    for rank, report in enumerate(reports):
+        assert report["step"] == 0
+        for t, path in enumerate(report["paths"]):
+            expected = expected_statistics([-0.1 * g[t] for g in grads])
+            assert_statistics_equal(report["record"][path], expected, f"rank {rank} {path}")
 
 
 def read_reports(out: str, task: str, n: int) -> list[dict]:

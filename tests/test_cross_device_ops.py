@@ -10,7 +10,8 @@ import tensorflow as tf
 from conftest import distribute, local_results, mirrored
 
 import tf_adasum
-from tf_adasum import cross_device_ops as cdo
+from tf_adasum.comm import collective
+from tf_adasum.engines.tf import TFEngine
 
 
 def _reduce_everything(strategy):
@@ -123,7 +124,7 @@ def no_collective(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a collective was set up before the input was validated")
 
-    monkeypatch.setattr(cdo, "local_communicators", forbidden)
+    monkeypatch.setattr(collective, "TFCollectiveCommunicator", forbidden)
 
 
 def _per_replica(strategy, fn):
@@ -205,7 +206,9 @@ def test_hierarchical_with_several_devices_per_worker(workers, per_worker, rng):
                     with tf.device(devices[r]):
                         components.append(tf.constant(per_rank[r][t]))
                 values.append(tuple(components))
-            outputs += cdo._build(values, devices, ranks, tf_adasum.combiners.Adasum(), 0, 60.0, False, True)
+            engine = TFEngine(devices, ranks, tf.distribute.experimental.CommunicationOptions(timeout_seconds=60.0))
+            combined, _ = engine.combine_components(values, tf_adasum.combiners.Adasum(), hierarchical=True)
+            outputs += [[value[local] for value in combined] for local in range(per_worker)]
         return outputs
 
     outputs = run()

@@ -9,12 +9,21 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
-from multiprocess import WORKER, check_collective, check_evaluation_engine, check_train, read_reports, worker_env
+from multiprocess import (
+    WORKER,
+    check_collective,
+    check_diagnostics,
+    check_evaluation_engine,
+    check_train,
+    read_reports,
+    worker_env,
+)
 
 import tf_adasum
 import tf_adasum.mpi
 from tf_adasum import reference
 from tf_adasum.comm import mpi as mpi_engine
+from tf_adasum.engines import select
 
 #: MPI call timeout for the failure tests (seconds).
 FAILURE_TIMEOUT = 10
@@ -33,8 +42,9 @@ def _run(n, tasks, out, **env):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collective_and_training_under_mpirun(n, tmp_path):
-    _run(n, "collective,train", tmp_path)
+    _run(n, "collective,train,diagnostics", tmp_path)
     check_collective(tmp_path, n)
+    check_diagnostics(tmp_path, n)
     # One node: the hierarchical combine is the mean of all ranks.
     check_train(tmp_path, n, hierarchical_combine=reference.mean)
     results = [np.load(tmp_path / f"train_rank{r}.npz") for r in range(n)]
@@ -92,17 +102,10 @@ def test_backend_tf_with_one_replica_under_mpirun_is_refused(monkeypatch):
         _build(tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), backend="tf"))
 
 
-def test_diagnostics_are_refused_under_mpirun(monkeypatch):
-    _pretend_mpirun(monkeypatch)
-    optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1))
-    with pytest.raises(NotImplementedError, match="AdasumDiagnostics is available on one worker"):
-        optimizer.enable_diagnostics()
-
-
 def test_launcher_detection(monkeypatch):
-    for name in mpi_engine.LAUNCHER_SIZE_VARIABLES:
+    for name in select.LAUNCHER_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    assert not mpi_engine.launched_by_mpi()
+    assert not select.launched_by_mpi()
     assert (tf_adasum.mpi.rank(), tf_adasum.mpi.size(), tf_adasum.mpi.local_rank(), tf_adasum.mpi.local_size()) == (
         0,
         1,
@@ -110,9 +113,9 @@ def test_launcher_detection(monkeypatch):
         1,
     )
     monkeypatch.setenv("PMI_SIZE", "1")
-    assert not mpi_engine.launched_by_mpi()
+    assert not select.launched_by_mpi()
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
-    assert mpi_engine.launched_by_mpi()
+    assert select.launched_by_mpi()
 
 
 def test_mpi4py_from_another_mpi_than_the_launcher_is_an_error(monkeypatch):
@@ -133,7 +136,7 @@ def test_mpi4py_from_another_mpi_than_the_launcher_is_an_error(monkeypatch):
     _pretend_mpirun(monkeypatch, size=4)
     monkeypatch.setattr(mpi_engine, "mpi", lambda: FakeMPI)
     with pytest.raises(RuntimeError, match="started 4 ranks, but MPI's COMM_WORLD here has 1.*Some MPI 1.0"):
-        mpi_engine.World()
+        mpi_engine.World(select.launcher_world_size())
 
 
 def test_missing_mpi4py_names_the_fix(monkeypatch):

@@ -10,7 +10,15 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess import WORKER, check_collective, check_evaluation_engine, check_train, read_reports, worker_env
+from multiprocess import (
+    WORKER,
+    check_collective,
+    check_diagnostics,
+    check_evaluation_engine,
+    check_train,
+    read_reports,
+    worker_env,
+)
 
 from tf_adasum import launch, reference
 
@@ -29,7 +37,7 @@ def _launch(n, tasks, out, timeout=600, **env):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collective_and_training_across_workers(n, tmp_path):
-    output = _launch(n, "collective,train", tmp_path)
+    output = _launch(n, "collective,train,diagnostics", tmp_path)
     for index in range(n):
         assert f"[worker {index}] " in output
     check_collective(tmp_path, n)
@@ -38,6 +46,7 @@ def test_collective_and_training_across_workers(n, tmp_path):
     check_train(tmp_path, n, hierarchical_combine=reference.adasum_tree)
     initial = [np.load(tmp_path / f"train_rank{r}.npz")["plain_initial_kernel"] for r in range(n)]
     assert all(np.array_equal(i, initial[0]) for i in initial)  # the strategy broadcasts initial values
+    check_diagnostics(tmp_path, n)
 
 
 def test_mismatched_variables_raise_on_every_worker(tmp_path):

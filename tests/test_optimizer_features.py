@@ -206,6 +206,62 @@ def test_mixed_float16_skips_an_overflowing_step_everywhere(mixed_policy, replic
         np.testing.assert_array_equal(before, after.numpy())
 
 
+def _one_step(n, make_optimizer, x, y):
+    """The kernel after one step of `make_optimizer()` on n replicas."""
+    strategy = mirrored(n)[0]
+    with strategy.scope():
+        model = _model()
+        optimizer = make_optimizer()
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return model.weights[0].numpy().astype(np.float64), optimizer
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_inner_loss_scale_factor_is_owned_and_divided_once(n):
+    x, y = data(1)
+    plain, _ = _one_step(n, lambda: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), x, y)
+    scaled, optimizer = _one_step(
+        n, lambda: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=128.0)), x, y
+    )
+    assert optimizer.loss_scale_factor == 128.0 and optimizer.inner_optimizer.loss_scale_factor is None
+    np.testing.assert_allclose(scaled, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_mixed_float16_step_equals_float32(mixed_policy):
+    """model.compile wraps the wrapper in a LossScaleOptimizer, which scales the
+    loss by its own dynamic scale and clears the factor it wraps: the inner 128
+    must not divide the step again (it moved the kernel 128x too little)."""
+    x, y = data(1)
+    make = lambda: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=128.0))  # noqa: E731
+    initial = _model().weights[0].numpy()
+    float32, _ = _one_step(2, make, x, y)
+    mixed_policy("mixed_float16")
+    float16, optimizer = _one_step(2, make, x, y)
+    assert optimizer.loss_scale_factor is None  # the LossScaleOptimizer owns the scale
+    moved32, moved16 = np.abs(float32 - initial).max(), np.abs(float16 - initial).max()
+    assert moved32 > 1e-3
+    np.testing.assert_allclose(float16, float32, rtol=0, atol=5e-3 * moved32 + 1e-3)
+    assert 0.9 < moved16 / moved32 < 1.1
+
+
+def test_loss_scale_factor_survives_a_keras_file(tmp_path):
+    x, y = data(1)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = _model()
+        model.compile(
+            optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, loss_scale_factor=64.0)), loss="mse"
+        )
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    path = os.path.join(tmp_path, "scaled.keras")
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert restored.optimizer.loss_scale_factor == 64.0
+    assert restored.optimizer.inner_optimizer.loss_scale_factor is None
+    assert tf_adasum.AdasumOptimizer.from_config(model.optimizer.get_config()).loss_scale_factor == 64.0
+
+
 def test_loss_scale_optimizer_inside_is_refused():
     with pytest.raises(ValueError, match="LossScaleOptimizer\\(AdasumOptimizer\\(inner\\)\\)"):
         tf_adasum.AdasumOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
@@ -310,6 +366,7 @@ def test_checkpoint_restore_in_delta_mode_gives_replica_0_slots_everywhere(tmp_p
         ({"backward_passes_per_step": 1.5}, TypeError, "Received: backward_passes_per_step=1.5"),
         ({"hierarchical": "yes"}, TypeError, "Received: hierarchical='yes'"),
         ({"backend": "nccl"}, ValueError, "Received: backend='nccl'"),
+        ({"use_ema": "yes"}, TypeError, "Received: use_ema='yes'"),
         ({"learning_rate": 0.1}, ValueError, "does not support arguments: `learning_rate`"),
     ],
 )
@@ -325,8 +382,15 @@ def test_invalid_inner_optimizers():
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD(use_ema=True))
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
-    with pytest.raises(ValueError, match="must not itself be an AdasumOptimizer"):
+    with pytest.raises(ValueError, match="must not itself be an AdasumOptimizer. Received: inner_optimizer=<"):
         tf_adasum.AdasumOptimizer(tf_adasum.AdasumOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match="not both. Received: loss_scale_factor=4.0"):
+        tf_adasum.AdasumOptimizer(keras.optimizers.SGD(loss_scale_factor=2.0), loss_scale_factor=4.0)
+
+
+def test_tree_shape_refuses_a_non_integer():
+    with pytest.raises(TypeError, match="Received: num_ranks=2.5"):
+        reference.tree_shape(2.5)
 
 
 @pytest.mark.parametrize("jit_compile", [False, "auto"])

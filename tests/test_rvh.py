@@ -6,7 +6,8 @@ import tensorflow as tf
 from conftest import TEST_TIMEOUT_SECONDS, TOLERANCE, relative_error
 
 from tf_adasum import combiners, reference, rvh
-from tf_adasum.cross_device_ops import combine_on_devices, local_communicators
+from tf_adasum.comm.collective import TFCollectiveCommunicator
+from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.ops import BLOCK, Segments
 
 B = BLOCK
@@ -96,12 +97,13 @@ class CountingCommunicator:
 def _run_counting(n, sizes, rng):
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
     per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
-    comms = [CountingCommunicator(c) for c in local_communicators(devices, TEST_TIMEOUT_SECONDS)]
+    comms = [CountingCommunicator(TFCollectiveCommunicator(devices, r, TEST_TIMEOUT_SECONDS)) for r in range(n)]
 
     @tf.function(autograph=False)
     def run():
         values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
-        return combine_on_devices(values, comms, combiners.Adasum())
+        outputs, _ = combine_with_communicators(values, comms, combiners.Adasum())
+        return [[value[r] for value in outputs] for r in range(n)]
 
     out = run()
     expected = reference.adasum_tree(per_rank)

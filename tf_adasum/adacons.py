@@ -2,9 +2,9 @@
 
 Runs in cross-replica context: one SUM all-reduce of the updates (the
 vector-halving collective with a plain sum), per-replica float64 dots, a gather
-of N scalars per weight group (the strategy's, or MPI's for the MPI engine), the weights computed once from the gathered
-values (so identical on every replica), and a second SUM all-reduce of the
-weighted updates. `tf_adasum.reference.adacons` is the specification.
+of 2 N scalars per weight group (`Engine.gather_small`), the weights computed
+from the gathered values (so identical on every replica), and a second SUM
+all-reduce of the weighted updates. The same on every engine. `tf_adasum.reference.adacons` is the specification.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import dataclasses
 import tensorflow as tf
 
 from tf_adasum.combiners import AdaCons
+from tf_adasum.engines.base import Engine
 from tf_adasum.reference import ADACONS_EPS
 
 __all__ = ["AdaConsState", "combine"]
@@ -29,13 +30,21 @@ class AdaConsState:
     steps: tf.Variable
     fallbacks: tf.Variable
 
+    def read(self, names: list[str]) -> dict:
+        """``{"weights": {name: [w_0, ... w_N-1]}, "fallbacks": count}``, one name per weight group."""
+        weights = self.weights.numpy()
+        return {
+            "weights": {name: [float(w) for w in row] for name, row in zip(names, weights)},
+            "fallbacks": int(self.fallbacks.numpy()),
+        }
+
 
 def _to64(x: tf.Tensor) -> tf.Tensor:
     return tf.cast(x, tf.float64)
 
 
-def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: AdaConsState, rows, restore: bool):
-    """AdaCons of `per_replica` (a list of per-replica tensors).
+def combine(engine: Engine, per_replica, combiner: AdaCons, state: AdaConsState, rows, restore: bool):
+    """AdaCons of `per_replica` (a list of per-replica tensors) over `engine`'s replicas.
 
     Args:
       rows: the rows of the state that the weight groups use (one per tensor
@@ -45,15 +54,10 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
     Returns:
       The combined tensors, identical on every replica (per-replica values).
     """
-    if hasattr(cross_device_ops, "all_gather"):  # the MPI engine: one replica per process
-        n, gather = cross_device_ops.num_replicas, cross_device_ops.all_gather
-        replica_id = lambda: cross_device_ops.replica_id  # noqa: E731
-    else:
-        n, gather = strategy.num_replicas_in_sync, lambda x: strategy.gather(x, axis=0)
-        replica_id = lambda: tf.distribute.get_replica_context().replica_id_in_sync_group  # noqa: E731
+    strategy, n = engine.strategy, engine.num_replicas
     num_tensors = len(per_replica)
     groups = [[t] for t in range(num_tensors)] if combiner.per_tensor else [list(range(num_tensors))]
-    total = cross_device_ops.batch_reduce_combine(per_replica, "sum")
+    total = engine.combine(per_replica, "sum")
 
     def group_sums(per_tensor_values):
         return tf.stack([tf.add_n([per_tensor_values[t] for t in group]) for group in groups])
@@ -62,10 +66,10 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
         g, s = args[:num_tensors], args[num_tensors:]
         squares = [tf.reduce_sum(tf.square(_to64(x))) for x in g]
         dots = [tf.reduce_sum(_to64(x) * _to64(y)) for x, y in zip(g, s)]
-        return tf.stack([tf.sqrt(group_sums(squares)), group_sums(dots)])[tf.newaxis]  # [1, 2, groups]
+        return tf.stack([tf.sqrt(group_sums(squares)), group_sums(dots)])  # [2, groups]
 
     statistics = strategy.extended.call_for_each_replica(local_statistics, args=(*per_replica, *total))
-    gathered = tf.reshape(gather(statistics), [n, 2, len(groups)])  # replica order
+    gathered = engine.gather_small(statistics)  # [n, 2, groups], replica order
     norms = tf.transpose(gathered[:, 0])  # [groups, N]
     alpha = tf.transpose(gathered[:, 1]) / (n * (norms + ADACONS_EPS))
     order = tf.argsort(alpha, axis=1, stable=True)
@@ -82,12 +86,10 @@ def combine(strategy, cross_device_ops, per_replica, combiner: AdaCons, state: A
     group_of = {t: i for i, group in enumerate(groups) for t in group}
 
     def weighted(*g):
-        c = coefficients[:, replica_id()]
+        c = coefficients[:, engine.replica_id()]
         return [tf.cast(c[group_of[t]] * _to64(x), x.dtype) for t, x in enumerate(g)]
 
-    result = cross_device_ops.batch_reduce_combine(
-        list(strategy.extended.call_for_each_replica(weighted, args=tuple(per_replica))), "sum"
-    )
+    result = engine.combine(list(strategy.extended.call_for_each_replica(weighted, args=tuple(per_replica))), "sum")
     indices = [[r] for r in rows]
     state.momentum.assign(tf.tensor_scatter_nd_update(state.momentum, indices, m))
     state.weights.assign(tf.tensor_scatter_nd_update(state.weights, indices, weights))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_adasum.cross_device_ops import num_workers
+from tf_adasum.comm.cluster import num_workers
 
 __all__ = ["patch_keras_multiworker_fit"]
 

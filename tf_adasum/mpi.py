@@ -23,19 +23,21 @@ Outside an MPI launcher (plain ``python train.py``) these report one process
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import keras
 import numpy as np
 
-from tf_adasum.comm import mpi as engine
+from tf_adasum.comm import mpi as transport
+from tf_adasum.engines import mpi as mpi_engine
+from tf_adasum.engines import select
 
 __all__ = [
     "MetricAverageCallback",
     "allreduce_mean",
     "allreduce_sum",
     "broadcast_variables",
+    "check_same_keys",
     "check_same_variables",
     "local_rank",
     "local_size",
@@ -45,7 +47,7 @@ __all__ = [
 
 
 def _world():
-    return engine.world() if engine.launched_by_mpi() else None
+    return select.mpi_world() if select.launched_by_mpi() else None
 
 
 def rank() -> int:
@@ -72,47 +74,13 @@ def local_size() -> int:
     return world.local_size if world else 1
 
 
-def variable_signature(variables: Sequence) -> list[tuple[tuple[int, ...], str]]:
-    """What must agree across ranks: each variable's shape and dtype, in order."""
-    return [(tuple(int(d) for d in v.shape), str(np.dtype(_numpy_dtype(v)))) for v in variables]
-
-
-def _numpy_dtype(variable):
-    dtype = getattr(variable, "dtype", None)
-    return getattr(dtype, "as_numpy_dtype", dtype)
-
-
-def signature_digest(signature) -> str:
-    return hashlib.sha256(repr(signature).encode()).hexdigest()
-
-
 def check_same_variables(variables: Sequence, what: str = "variables") -> None:
     """Raises ValueError on every rank unless all ranks hold the same variable
     list (shapes, dtypes, order). Exchanges one short digest per rank first,
     the lists themselves only when they differ. Call on every rank."""
     world = _world()
-    if world is None:
-        return
-    signature = variable_signature(variables)
-    digests = world.comm.allgather(signature_digest(signature))
-    if len(set(digests)) == 1:
-        return
-    signatures = world.comm.allgather(signature)
-    differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
-    first = differing[0]
-    detail = _first_difference(signatures[0], signatures[first])
-    raise ValueError(
-        f"The {what} differ across MPI ranks (shapes, dtypes or order): rank 0 has {len(signatures[0])}, "
-        f"rank {first} has {len(signatures[first])}; {detail}. Ranks differing from rank 0: {differing}. "
-        "Every rank must build the same model."
-    )
-
-
-def _first_difference(a, b) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"first difference at position {i}: {x} vs {y}"
-    return f"the shorter list ends at position {min(len(a), len(b))}"
+    if world is not None:
+        mpi_engine.check_same_variables(world.helpers_comm, variables, what, transport.default_timeout())
 
 
 def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
@@ -123,23 +91,19 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
         return
     if not 0 <= root_rank < world.size:
         raise ValueError(f"`root_rank` must be in [0, {world.size}). Received: root_rank={root_rank}")
-    for variable in variables:
-        value = np.array(variable.numpy(), copy=True, order="C")
-        buffer = value.reshape(-1).view(np.uint8)
-        world.comm.Bcast(buffer, root=root_rank)
-        if world.rank != root_rank:
-            variable.assign(value)
+    mpi_engine.broadcast_variables(world.helpers_comm, variables, root_rank, transport.default_timeout())
 
 
 def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
-    """The sum over ranks of each scalar in `values` (same keys on every rank)."""
+    """The sum over ranks of each scalar in `values` (same keys on every rank;
+    `check_same_keys` first when they may differ)."""
     world = _world()
     if world is None or not values:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
     local = np.array([float(values[k]) for k in keys], np.float64)
-    total = np.empty_like(local)
-    world.comm.Allreduce(local, total, op=engine.mpi().SUM)
+    what = "a sum of metrics over all ranks"
+    total = transport.allreduce_sum(world.helpers_comm, local, transport.default_timeout(), what)
     return {k: float(v) for k, v in zip(keys, total)}
 
 
@@ -148,13 +112,23 @@ def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
     return {k: v / size() for k, v in allreduce_sum(values).items()}
 
 
+def check_same_keys(names: Sequence[str], what: str = "metric names") -> None:
+    """Raises ValueError on every rank unless all ranks pass the same `names`."""
+    world = _world()
+    if world is not None:
+        mpi_engine.check_same_names(world.helpers_comm, sorted(names), what, transport.default_timeout())
+
+
 class MetricAverageCallback(keras.callbacks.Callback):
     """Averages the epoch's metrics (loss, accuracy, validation ...) over MPI
     ranks at the end of every epoch, so the callbacks after it see global
     values. Put it first in ``callbacks``. A no-op without an MPI launcher and
     under tf.distribute strategies (whose metrics are already global).
 
-    Every rank must run the same number of epochs with the same metric names.
+    Every rank must run the same number of epochs with the same metric names:
+    the names are compared first (an error on every rank names the
+    difference), and a rank whose peers never arrive gets a
+    `tf.errors.DeadlineExceededError` (``TF_ADASUM_MPI_TIMEOUT``).
     """
 
     def __init__(self):
@@ -165,4 +139,5 @@ class MetricAverageCallback(keras.callbacks.Callback):
         if logs is None or size() == 1:
             return
         numeric = {k: v for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)}
+        check_same_keys(list(numeric))
         logs.update(allreduce_mean(numeric))

@@ -114,8 +114,11 @@ def tree_shape(num_ranks: int) -> tuple[int, int]:
     ``2 * folded_pairs`` ranks are first combined in pairs (0, 1), (2, 3), ...
     so that exactly ``leaves`` values enter the binary tree.
     """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
+        raise TypeError(f"`num_ranks` must be an int. Received: num_ranks={num_ranks!r}")
     if num_ranks < 1:
         raise ValueError(f"`num_ranks` must be >= 1. Received: num_ranks={num_ranks}")
+    num_ranks = int(num_ranks)
     leaves = 1 << (num_ranks.bit_length() - 1)
     return leaves, num_ranks - leaves
 

@@ -11,6 +11,7 @@ simulation, so the oracle lives in the tests):
   combined with Adasum in one call;
 * ``train``: a Dense layer trained with SGD+momentum through AdasumOptimizer
   (``model.fit``), each rank starting from its own random weights;
+* ``diagnostics``: one step with AdasumDiagnostics; each rank's record;
 * ``mismatch``: rank 1 freezes a layer the others train; every rank must raise;
 * ``killed``: rank 1 dies mid-training; the others must fail, not hang;
 * ``uneven``: rank 0 has one batch more; its extra step must time out.
@@ -35,7 +36,9 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
-from tf_adasum.comm import mpi as mpi_engine  # noqa: E402
+from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
+from tf_adasum.engines import select  # noqa: E402
+from tf_adasum.engines.mpi import MPIEngine  # noqa: E402
 
 #: Collective timeout: a bug fails the run instead of hanging it.
 TIMEOUT_SECONDS = float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "60"))
@@ -65,7 +68,7 @@ class Engine:
             self.rank = self.strategy.cluster_resolver.task_id
             self.size = self.strategy.num_replicas_in_sync
         else:
-            assert mpi_engine.launched_by_mpi(), "run under tf-adasum launch (TF_CONFIG) or mpirun"
+            assert select.launched_by_mpi(), "run under tf-adasum launch (TF_CONFIG) or mpirun"
             self.rank, self.size = tf_adasum.mpi.rank(), tf_adasum.mpi.size()
 
     def scope(self):
@@ -73,7 +76,8 @@ class Engine:
 
     def combine(self, tensors):
         if self.strategy is None:
-            return [t.numpy() for t in mpi_engine.MPIOps(TIMEOUT_SECONDS).batch_reduce_combine(tensors)]
+            engine = MPIEngine(select.mpi_world(), TIMEOUT_SECONDS)
+            return [t.numpy() for t in engine.combine(tensors)]
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
         ops = tf_adasum.AdasumCrossDeviceOps(options=options)
         with self.strategy.scope():
@@ -145,6 +149,22 @@ def run_train(engine, out):
     np.savez(os.path.join(out, f"train_rank{engine.rank}.npz"), mpi_world=world, **results)
 
 
+def run_diagnostics(engine, out):
+    """One SGD step with AdasumDiagnostics on every rank (each from its own
+    random weights: the strategy or the MPI broadcast makes rank 0's the start)."""
+    x, y = simulation_data(1)
+    with engine.scope():
+        model = dense_model(seed=20 + engine.rank)
+        initial = [w.numpy().tolist() for w in model.weights]
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    callback = tf_adasum.AdasumDiagnostics(every_n_steps=1)
+    engine.fit(model, x, y, 1, callbacks=[callback])
+    step, record = callback.records[0]
+    paths = [v.path for v in model.trainable_variables]
+    with open(os.path.join(out, f"diagnostics_rank{engine.rank}.json"), "w") as f:
+        json.dump({"step": step, "initial": initial, "paths": paths, "record": record}, f)
+
+
 def run_mismatch(engine, out):
     x, y = simulation_data(TRAIN_STEPS)
     with engine.scope():
@@ -204,6 +224,7 @@ def _report(out, task, rank, fn):
 TASKS = {
     "collective": run_collective,
     "train": run_train,
+    "diagnostics": run_diagnostics,
     "mismatch": run_mismatch,
     "killed": run_killed,
     "uneven": run_uneven,
@@ -221,7 +242,7 @@ def main():
             os._exit(1)
     sys.stdout.flush()
     if engine.strategy is None:
-        mpi_engine.mpi().Finalize()  # mpirun treats an exit without it as a failure
+        mpi_transport.mpi().Finalize()  # mpirun treats an exit without it as a failure
     # Skip interpreter teardown: TF's collective runtime can block exit when a peer is gone.
     os._exit(0)
 

@@ -6,8 +6,8 @@ Pairwise steps are ``CollectiveAllToAllV2`` (phase 1) and ``CollectiveGatherV2``
 uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``. The same ops serve
 the devices of one process and devices spread over worker processes.
 
-Keys are handed out in one place, `CollectiveKeys`: a group key per set of
-devices, and per (group, device) an instance-key counter, so every member of a
+Keys are handed out in one place, `CollectiveKeys`: a group key derived from
+the set of devices, and per (group, device) an instance-key counter, so every member of a
 group draws the same keys as long as it issues the same collectives in the same
 order. Within one `tf.function` each device's collectives carry that device's
 ordering token and a control dependency on its previous collective, so they run
@@ -16,15 +16,21 @@ in program order on every device.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import cross_device_utils
 
 __all__ = ["CollectiveKeys", "TFCollectiveCommunicator", "device_sort_key", "register_groups"]
 
-# Well above the keys TensorFlow's own CollectiveAllReduce hands out (from 1).
+# Well above the keys TensorFlow's own CollectiveAllReduce hands out (from 1):
+# our groups' keys, and the blocks of keys for each default fallback.
 _GROUP_KEY_START = 0x0ADA0000
+_GROUP_KEY_SPACE = 1 << 24
+_FALLBACK_KEY_START = 0x0C000000
+_FALLBACK_BLOCK = 64  # keys per fallback (TF's CollectiveKeys hands them out from the block's start)
 
 
 def device_sort_key(device: str) -> tuple:
@@ -39,34 +45,56 @@ def _canonical(device: str) -> str:
     return spec.to_string()
 
 
+def _members(devices: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted((_canonical(d) for d in devices), key=device_sort_key))
+
+
+def _hash(members: tuple[str, ...], modulus: int, salt: str = "") -> int:
+    digest = hashlib.sha256((salt + "\n".join(members)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % modulus
+
+
 class CollectiveKeys:
     """Hands out collective group and instance keys (process-wide).
 
-    Group keys are allocated sequentially per new device set, so processes that
-    register the same groups in the same order agree on them.
+    A group's key is derived from its member devices alone (a hash), so every
+    process computes the same key for the same group whatever else it has
+    allocated before (a local strategy, a fallback). Two groups whose hashes
+    collide in one process raise instead of sharing a key.
     """
 
     def __init__(self, group_key_start: int = _GROUP_KEY_START):
         self._lock = threading.Lock()
-        self._next_group_key = group_key_start
+        self._start = group_key_start
         self._group_keys: dict[tuple[str, ...], int] = {}
+        self._owners: dict[int, tuple[str, ...]] = {}
+        self._fallback_owners: dict[int, tuple[str, ...]] = {}
+        self._fallback_keys: dict[tuple[str, ...], cross_device_utils.CollectiveKeys] = {}
         self._instance_keys: dict[tuple[int, str], int] = {}
 
     def group_key(self, devices: Sequence[str]) -> int:
         """The key of the group made of `devices` (in any order)."""
-        members = tuple(sorted((_canonical(d) for d in devices), key=device_sort_key))
+        members = _members(devices)
         with self._lock:
             if members not in self._group_keys:
-                self._group_keys[members] = self._next_group_key
-                self._next_group_key += 1
+                key = self._start + _hash(members, _GROUP_KEY_SPACE)
+                _claim(self._owners, key, members)
+                self._group_keys[members] = key
             return self._group_keys[members]
 
-    def reserve(self, count: int) -> int:
-        """Reserves `count` consecutive group keys (for another allocator); returns the first."""
+    def fallback_keys(self, devices: Sequence[str]) -> cross_device_utils.CollectiveKeys:
+        """TensorFlow's key allocator for fallback all-reduces over `devices`:
+        one per device set in the process (shared, so that its instance keys
+        never repeat), handing out group keys from a block derived from the
+        devices."""
+        members = _members(devices)
+        blocks = (1 << 24) // _FALLBACK_BLOCK
+        start = _FALLBACK_KEY_START + _FALLBACK_BLOCK * _hash(members, blocks, salt="fallback\n")
         with self._lock:
-            start = self._next_group_key
-            self._next_group_key += count
-            return start
+            _claim(self._fallback_owners, start, members)
+            if members not in self._fallback_keys:
+                self._fallback_keys[members] = cross_device_utils.CollectiveKeys(group_key_start=start)
+            return self._fallback_keys[members]
 
     def instance_key(self, group_key: int, device: str) -> int:
         """The next instance key of `device` in group `group_key`."""
@@ -75,6 +103,15 @@ class CollectiveKeys:
             key = self._instance_keys.get(slot, 1)
             self._instance_keys[slot] = key + 1
             return key
+
+
+def _claim(owners: dict[int, tuple[str, ...]], key: int, members: tuple[str, ...]) -> None:
+    owner = owners.setdefault(key, members)
+    if owner != members:
+        raise RuntimeError(
+            f"tf_adasum: collective group key {key} derived for devices {members} is already used by "
+            f"{owner} in this process (a hash collision); please report it."
+        )
 
 
 #: The process-wide key allocator.

@@ -1,0 +1,127 @@
+"""The package's layout (DESIGN.md section 5): imports point downwards only.
+
+Every import of a `tf_adasum` module, at module level or inside a function, is
+read from the source (no import runs); each module has a layer, and a module
+may import only modules of lower layers (or, inside one package, of lower
+sub-layers). mpi4py and matplotlib/tensorboard are never imported at module
+level; the launcher imports nothing of ours.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_adasum"
+
+#: Lower numbers sit lower. Modules of one layer never import each other.
+LAYERS = {
+    "reference": 0,
+    "ops": 1,
+    "combiners": 2,
+    "rvh": 3,
+    "comm.cluster": 3,
+    "comm.collective": 3,
+    "comm.mpi": 3,
+    "engines.base": 4,
+    "engines.mpi_native": 4,
+    "engines.tf": 5,
+    "engines.mpi": 5,
+    "engines.select": 6,
+    "cross_device_ops": 7,
+    "adacons": 7,
+    "diagnostics": 7,
+    "keras_step": 7,
+    "optimizer_args": 7,
+    "optimizer": 8,
+    "callbacks": 9,
+    "mpi": 9,
+    "compat": 9,
+    "cli": 11,
+}
+EVAL_LAYER = 10  # tf_adasum.eval.*: the evaluation, on top (its modules may import each other)
+STANDALONE = {"launch", "_worker_bootstrap"}  # import nothing of ours
+PACKAGE_INITS = {"", "comm", "engines", "eval"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__")
+        if name.startswith("eval.") and name != "eval.__main__":
+            yield name, path
+        elif name not in PACKAGE_INITS and name != "eval.__main__":
+            yield name, path
+
+
+def _layer(name: str) -> int:
+    if name in STANDALONE:
+        return -1  # imports nothing of ours, so anything may import it
+    if name.startswith("eval"):
+        return EVAL_LAYER
+    return LAYERS[name]
+
+
+def _imports(path: pathlib.Path):
+    """(module imported, line, at module level) for every import in `path`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            yield name, node.lineno, id(node) in top_level
+
+
+def _ours(imported: str) -> str | None:
+    """The tf_adasum module an import names (None for other packages and for
+    names that are functions or classes rather than modules)."""
+    if not imported.startswith("tf_adasum."):
+        return None
+    name = imported[len("tf_adasum.") :]
+    while name and name not in LAYERS and not name.startswith("eval") and name not in STANDALONE:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_every_module_has_a_layer():
+    unknown = [
+        name for name, _ in _modules() if name not in LAYERS and name not in STANDALONE and not name.startswith("eval")
+    ]
+    assert not unknown, f"give these modules a layer in tests/test_layout.py: {unknown}"
+
+
+@pytest.mark.parametrize("name, path", list(_modules()), ids=lambda v: v if isinstance(v, str) else "")
+def test_imports_point_downwards(name, path):
+    for imported, line, _ in _imports(path):
+        target = _ours(imported)
+        if target is None or target == name:
+            continue
+        assert name not in STANDALONE, f"tf_adasum.{name} must import nothing of ours (line {line}: {imported})"
+        both_eval = name.startswith("eval") and target.startswith("eval")
+        assert both_eval or _layer(target) < _layer(name), (
+            f"tf_adasum.{name} (layer {_layer(name)}) imports tf_adasum.{target} (layer {_layer(target)}) "
+            f"at line {line}: imports must point downwards (DESIGN.md section 5)"
+        )
+
+
+@pytest.mark.parametrize("name, path", list(_modules()), ids=lambda v: v if isinstance(v, str) else "")
+def test_optional_packages_are_imported_lazily(name, path):
+    for imported, line, top_level in _imports(path):
+        root = imported.split(".")[0]
+        if root in ("mpi4py", "matplotlib", "tensorboard"):
+            assert not top_level, f"tf_adasum.{name} imports {imported} at module level (line {line})"
+
+
+def test_the_layers_are_the_design():
+    """The layers follow DESIGN.md: eval/cli -> callbacks, mpi helpers -> optimizer ->
+    keras_step, adacons, diagnostics, cross_device_ops -> engines -> comm, rvh -> combiners
+    -> ops -> reference."""
+    chain = ["reference", "ops", "combiners", "rvh", "engines.base", "cross_device_ops", "optimizer", "callbacks"]
+    assert [LAYERS[m] for m in chain] == sorted(LAYERS[m] for m in chain)
+    assert len({LAYERS[m] for m in chain}) == len(chain)
+    assert LAYERS["comm.mpi"] < LAYERS["engines.base"] and LAYERS["mpi"] > LAYERS["optimizer"]

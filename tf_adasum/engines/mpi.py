@@ -1,0 +1,201 @@
+"""The MPI engine: one replica per MPI rank (``mpirun``/``srun``, no strategy).
+
+Each bucket's whole tree runs in one native op when the compiled library is
+available (`tf_adasum.engines.mpi_native`: the fold, the halving levels with
+their float64 partial sums and the gathers in C++, reading and writing the
+tensors in place); otherwise each tree step is a ``tf.numpy_function`` over
+`tf_adasum.comm.mpi.MPICommunicator` (the portable path, slower). Both are
+the tree of `tf_adasum.rvh` and are tested against `tf_adasum.reference`.
+
+Every MPI call has a deadline (`tf_adasum.comm.mpi.default_timeout`) and the
+calls of one graph are chained in program order. Sub-communicators are made
+when the engine is built, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum import combiners as combiners_lib
+from tf_adasum import rvh
+from tf_adasum.comm import mpi as transport
+from tf_adasum.engines import mpi_native
+from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
+
+__all__ = ["MPIEngine", "broadcast_variables", "check_same_names", "check_same_variables"]
+
+
+def _first_difference(a, b) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"first difference at position {i}: {x} vs {y}"
+    return f"the shorter list ends at position {min(len(a), len(b))}"
+
+
+def _gather_strings(comm, text: str, timeout: float, what: str) -> list[str]:
+    """Every rank's `text`, in rank order (two small gathers with deadlines; no pickling)."""
+    encoded = np.frombuffer(text.encode(), np.uint8)
+    lengths = transport.allgather(comm, np.array([encoded.size], np.int64), timeout, what)[:, 0]
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: encoded.size] = encoded
+    rows = transport.allgather(comm, padded, timeout, what)
+    return [bytes(row[:n]).decode() for row, n in zip(rows, lengths)]
+
+
+def _differing(comm, items: list, timeout: float, what: str) -> list[list] | None:
+    """None when every rank of `comm` holds equal JSON-serialisable `items`;
+    else every rank's items. One 32-byte digest per rank is gathered first,
+    the items themselves only when they differ."""
+    text = json.dumps(items)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    digests = transport.allgather(comm, digest, timeout, f"the check that the {what} agree")
+    if (digests == digests[0]).all():
+        return None
+    return [json.loads(t) for t in _gather_strings(comm, text, timeout, f"the comparison of the {what}")]
+
+
+def check_same_variables(comm, variables: Sequence, what: str, timeout: float) -> None:
+    """Raises ValueError on every rank of `comm` unless all hold the same
+    variable list (shapes, dtypes, order)."""
+    everyone = _differing(comm, variable_signature(variables), timeout, what)
+    if everyone is None:
+        return
+    signatures = [[(tuple(shape), dtype) for shape, dtype in items] for items in everyone]
+    differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
+    first = differing[0]
+    raise ValueError(
+        f"The {what} differ across MPI ranks (shapes, dtypes or order): rank 0 has {len(signatures[0])}, "
+        f"rank {first} has {len(signatures[first])}; {_first_difference(signatures[0], signatures[first])}. "
+        f"Ranks differing from rank 0: {differing}. Every rank must build the same model."
+    )
+
+
+def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> None:
+    """Raises ValueError on every rank of `comm` unless all hold the same `names`."""
+    everyone = _differing(comm, list(names), timeout, what)
+    if everyone is None:
+        return
+    first = next(r for r, items in enumerate(everyone) if items != everyone[0])
+    raise ValueError(
+        f"The {what} differ across MPI ranks: rank 0 has {everyone[0]}, rank {first} has {everyone[first]}. "
+        "Every rank must log the same metrics (e.g. validation data on every rank, or on none)."
+    )
+
+
+def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) -> None:
+    """Sets every rank's `variables` to `root`'s values (eagerly; same list everywhere)."""
+    for variable in variables:
+        value = transport.bcast(comm, variable.numpy(), root, timeout, f"the broadcast of {variable.name}")
+        if comm.Get_rank() != root:
+            variable.assign(value)
+
+
+def _has_value(variable) -> bool:
+    """False for a variable created in a `tf.function` being traced (it is
+    initialised when the function first runs; reading it gives an empty array)."""
+    return np.shape(variable.numpy()) == tuple(variable.shape)
+
+
+def _native_rule(combiner: combiners_lib.Combiner) -> str | None:
+    if type(combiner) is combiners_lib.Adasum:
+        return "adasum"
+    if type(combiner) in (combiners_lib.Sum, combiners_lib.Mean):
+        return "sum"  # the mean is prepared (scaled by 1/N) first
+    return None
+
+
+class MPIEngine(Engine):
+    """This process's one replica among the MPI ranks of `world`.
+
+    Args:
+      world: `tf_adasum.comm.mpi.World` (see `tf_adasum.engines.select.mpi_world`).
+      timeout_seconds: how long an MPI call waits for its peers (0: forever).
+      bytes_per_bucket: fusion cap (0: one bucket per dtype).
+    """
+
+    local_replicas = 1
+
+    def __init__(self, world, timeout_seconds: float | None = None, bytes_per_bucket: int = 0):
+        self.world = world
+        self.num_replicas = world.size
+        self.timeout_seconds = transport.default_timeout() if timeout_seconds is None else float(timeout_seconds)
+        self.bytes_per_bucket = bytes_per_bucket
+        self.strategy = tf.distribute.get_strategy()
+        self._chain = transport.Chain()
+        self._comms = {"all": world.comm, "local": world.node, "cross": world.cross}
+        with tf.init_scope():
+            self._sum_comms = {
+                scope: world.sum_communicators(comm, rvh.groups(comm.Get_size())) for scope, comm in self._comms.items()
+            }
+        self.native = mpi_native.load()  # None (one warning) where the library cannot be built
+
+    def scope_size(self, scope: str) -> int:
+        return self._comms[scope].Get_size()
+
+    def _combine_implementation(self, values: list[Components], combiner: combiners_lib.Combiner, scope: str):
+        comm = self._comms[scope]
+        rule = _native_rule(combiner)
+        if self.native is None or rule is None:
+            communicator = transport.MPICommunicator(comm, self._sum_comms[scope], self._chain, self.timeout_seconds)
+            return combine_with_communicators(values, [communicator], combiner, self.bytes_per_bucket)
+        size = comm.Get_size()
+        tensors = [combiner.prepare(v[0], size) for v in values]
+        shapes = [t.shape for t in tensors]
+        buckets = rvh.make_buckets(
+            [t.dtype for t in tensors], [s.num_elements() for s in shapes], size, self.bytes_per_bucket
+        )
+        levels = rvh.num_levels(size)
+        columns = [tf.zeros([levels, 3], tf.float64)] * len(tensors)
+        for bucket in buckets:
+            members = [tensors[i] for i in bucket.indices]
+            combined, partials = self._chain.chain(
+                lambda members=members: mpi_native.tree(members, comm, rule, self.timeout_seconds)
+            )
+            for row, (i, tensor) in enumerate(zip(bucket.indices, combined)):
+                tensors[i] = tensor
+                columns[i] = partials[:, row]
+        return [(t,) for t in tensors], (tf.stack(columns, axis=1),)
+
+    def sum_small(self, x) -> tf.Tensor:
+        x = tf.cast(x, tf.float64)
+        comm, timeout = self.world.comm, self.timeout_seconds
+        if self.native is not None:
+            return self._chain.chain(lambda: mpi_native.allreduce_sum(x, comm, timeout))
+        what = "a sum over all ranks"
+        return self._chain.call(lambda v: transport.allreduce_sum(comm, v, timeout, what), [x], tf.float64, x.shape)
+
+    def gather_small(self, x) -> tf.Tensor:
+        comm, timeout, size = self.world.comm, self.timeout_seconds, self.world.size
+        if self.native is not None:
+            return self._chain.chain(lambda: mpi_native.allgather(x, comm, timeout))
+        what = "a gather over all ranks"
+        return self._chain.call(lambda v: transport.allgather(comm, v, timeout, what), [x], x.dtype, [size, *x.shape])
+
+    def replica_id(self) -> int:
+        return self.world.rank
+
+    def check_same_variables(self, variables) -> None:
+        with tf.init_scope():
+            check_same_variables(self.world.comm, variables, "trainable variables", self.timeout_seconds)
+
+    def broadcast_initial(self, model_variables, optimizer_variables) -> None:
+        """Every rank takes rank 0's `model_variables` (which must have values)
+        and those `optimizer_variables` that have values; optimizer variables
+        created by a build inside a `tf.function` have none yet and start from
+        their initializers, the same on every rank. Eager (also while tracing)."""
+        with tf.init_scope():
+            unset = [v.path for v in model_variables if not _has_value(v)]
+            if unset:
+                raise ValueError(
+                    "Under MPI, AdasumOptimizer broadcasts rank 0's weights before the first step, but these "
+                    f"variables have no value yet: {unset[:5]}. Build the model before training (give it a "
+                    "`keras.Input`, or call `model.build(input_shape)`)."
+                )
+            own = [v for v in optimizer_variables if _has_value(v)]
+            check_same_variables(self.world.comm, own, "optimizer variables", self.timeout_seconds)
+            broadcast_variables(self.world.comm, list(model_variables) + own, 0, self.timeout_seconds)

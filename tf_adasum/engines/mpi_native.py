@@ -1,0 +1,326 @@
+"""Native MPI ops: the whole Adasum tree of one bucket in one TensorFlow op.
+
+A C++ op library (``native/adasum_mpi_ops.cc``) compiled on first use against
+the installed TensorFlow and the MPI library that mpi4py loaded, cached under
+``~/.cache/tf_adasum/mpi_native/<hash>/`` (``TF_ADASUM_CACHE_DIR`` overrides
+the root) and loaded with `tf.load_op_library`. Its ops call MPI directly,
+read their input tensors in place and write their outputs directly:
+
+* `tree`: ``TfAdasumMpiTree``, the vector-halving tree of `tf_adasum.rvh`
+  (``allreduce``) with the Adasum or plain-sum pair rule, for a list of
+  tensors in one call;
+* `allreduce_sum`: ``TfAdasumMpiAllreduce``, an elementwise sum
+  (``MPI_Iallreduce``);
+* `allgather`: ``TfAdasumMpiAllgather``, every rank's tensor in rank order.
+
+Each wrapper builds exactly one op. The ops are stateful (never pruned,
+merged or constant-folded), but they are not ordered among themselves: every
+rank must run the same ops in the same order, one at a time, so callers
+chain them with control dependencies. They need MPI initialised with at
+least ``MPI_THREAD_SERIALIZED`` (mpi4py's default is ``MPI_THREAD_MULTIPLE``).
+Every MPI wait polls against ``timeout_seconds`` (0: forever) and fails with
+`tf.errors.DeadlineExceededError` naming the call and the peer.
+
+``python -m tf_adasum.engines.mpi_native --build`` builds the library ahead
+of time and prints its path. ``TF_ADASUM_MPI_NATIVE=0`` turns it off; `load`
+then returns None, as it does (with one warning per process) when no C++
+compiler (``CXX``, default ``g++``), no ``mpi.h`` or no build is possible.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import tensorflow as tf
+
+from tf_adasum.reference import tree_shape
+
+__all__ = ["RULES", "BuildError", "allgather", "allreduce_sum", "build", "cache_root", "load", "tree"]
+
+SOURCE = Path(__file__).resolve().parent / "native" / "adasum_mpi_ops.cc"
+LIBRARY = "tf_adasum_mpi_ops.so"
+#: The pair rules of `tree`.
+RULES = ("adasum", "sum")
+#: Portable optimisation only: the AVX2 kernels are chosen at run time.
+FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w"]
+
+_TREE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_SUM_DTYPES = (tf.float32, tf.float64)
+_GATHER_DTYPES = (tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+class BuildError(RuntimeError):
+    """The native library cannot be built here; the message says what is missing."""
+
+
+def cache_root() -> Path:
+    """Where built libraries are kept, one folder per build configuration."""
+    root = os.environ.get("TF_ADASUM_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "tf_adasum" / "mpi_native"
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        raise BuildError(f"mpi4py cannot be imported ({error})") from error
+    return MPI
+
+
+def _loaded_libmpi() -> str | None:
+    """The path of the libmpi that mpi4py loaded into this process (Linux)."""
+    _mpi()
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:
+        return None
+    return next((p for p in sorted(paths) if Path(p).name.split(".so")[0] in ("libmpi", "libmpich")), None)
+
+
+def _mpicc_flags(which: str) -> list[str]:
+    beside_python = Path(sys.executable).parent / "mpicc"
+    mpicc = str(beside_python) if beside_python.exists() else shutil.which("mpicc")
+    if mpicc is None:
+        raise BuildError("mpi.h was not found beside the MPI library mpi4py loaded, and there is no mpicc")
+    result = subprocess.run([mpicc, f"--showme:{which}"], capture_output=True, text=True)
+    if result.returncode:
+        raise BuildError(f"`{mpicc} --showme:{which}` failed: {result.stderr.strip()}")
+    return result.stdout.split()
+
+
+def _mpi_flags() -> tuple[list[str], list[str], str]:
+    """Compile flags, link flags, and what identifies the MPI library."""
+    library = _loaded_libmpi()
+    if library is None:
+        return _mpicc_flags("compile"), _mpicc_flags("link"), "mpicc"
+    include = Path(library).parent.parent / "include"
+    compile_flags = [f"-I{include}"] if (include / "mpi.h").exists() else _mpicc_flags("compile")
+    folder = Path(library).parent
+    link_flags = [f"-L{folder}", f"-l:{Path(library).name}", f"-Wl,-rpath,{folder}"]
+    stat = os.stat(library)
+    return compile_flags, link_flags, f"{library} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def _compiler() -> tuple[str, str]:
+    """The C++ compiler's path and version line."""
+    name = os.environ.get("CXX", "g++")
+    path = shutil.which(name)
+    if path is None:
+        raise BuildError(f"no C++ compiler: {name!r} was not found (set CXX)")
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise BuildError(f"the C++ compiler {path} does not run ({error})") from error
+    return path, (version.splitlines() or ["unknown"])[0]
+
+
+def build() -> Path:
+    """Compiles the op library unless the cache has it; returns its path.
+
+    Ranks starting together compile it once: the others wait on a lock file.
+
+    Raises:
+      BuildError: no compiler, no ``mpi.h``, no mpi4py, or a failed compile.
+    """
+    compiler, version = _compiler()
+    mpi_compile, mpi_link, mpi_id = _mpi_flags()
+    command = [compiler, *FLAGS, *tf.sysconfig.get_compile_flags(), *mpi_compile, str(SOURCE)]
+    link = [*tf.sysconfig.get_link_flags(), *mpi_link]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), tf.__version__, command, link, mpi_id, version):
+        key.update(repr(part).encode() + b"\0")
+    folder = cache_root() / key.hexdigest()[:20]
+    target = folder / LIBRARY
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if target.exists():
+            return target
+        handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+        os.close(handle)
+        result = subprocess.run([*command, "-o", partial, *link], capture_output=True, text=True)
+        (folder / "build.log").write_text(" ".join(command + ["-o", partial, *link]) + "\n" + result.stderr)
+        if result.returncode:
+            os.unlink(partial)
+            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+            raise BuildError(f"compiling {SOURCE.name} with {compiler} failed (log: {folder / 'build.log'}):\n{tail}")
+        os.replace(partial, target)
+    return target
+
+
+_lock = threading.Lock()
+_loaded: list = []  # [module or None] once `load` has run
+
+
+def load():
+    """The op module, built and loaded once per process, or None.
+
+    None (with one `RuntimeWarning` per process naming the cause) when
+    ``TF_ADASUM_MPI_NATIVE=0``, or when the library cannot be built or
+    loaded; callers then use the Python path. Never raises for these.
+    """
+    with _lock:
+        if not _loaded:
+            module, reason = None, None
+            if os.environ.get("TF_ADASUM_MPI_NATIVE", "1").strip() == "0":
+                reason = "TF_ADASUM_MPI_NATIVE=0"
+            else:
+                try:
+                    module = tf.load_op_library(str(build()))
+                except BuildError as error:
+                    reason = str(error)
+                except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
+                    reason = f"building or loading the library failed: {error}"
+            if module is None:
+                warnings.warn(
+                    f"tf_adasum: the native MPI ops are unavailable: {reason}. The MPI engine uses its "
+                    "Python path (slower).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            _loaded.append(module)
+        return _loaded[0]
+
+
+def _ops():
+    module = load()
+    if module is None:
+        raise RuntimeError("tf_adasum: the native MPI ops are unavailable (see the warning); use the Python path.")
+    return module
+
+
+def _handle(comm) -> int:
+    MPI = _mpi()
+    if not hasattr(MPI, "_handleof"):
+        raise RuntimeError(
+            f"This mpi4py ({getattr(sys.modules.get('mpi4py'), '__version__', '?')}) has no `MPI._handleof`, "
+            "which the native MPI ops need to reach the communicator; install mpi4py >= 4.0."
+        )
+    return int(MPI._handleof(comm))
+
+
+def _check(x: tf.Tensor, dtypes, name: str) -> None:
+    if x.dtype not in dtypes:
+        raise TypeError(
+            f"`{name}` must have one of the dtypes {[d.name for d in dtypes]}. Received: {name}.dtype={x.dtype.name}"
+        )
+
+
+def _check_timeout(timeout_seconds: float) -> float:
+    if not timeout_seconds >= 0:
+        raise ValueError(f"`timeout_seconds` must be >= 0 (0: forever). Received: timeout_seconds={timeout_seconds}")
+    return float(timeout_seconds)
+
+
+@tf.autograph.experimental.do_not_convert
+def tree(
+    values: Sequence[tf.Tensor], comm, rule: str = "adasum", timeout_seconds: float = 0.0
+) -> tuple[list[tf.Tensor], tf.Tensor]:
+    """Combines each tensor of `values` over the ranks of `comm` in one op.
+
+    The semantics of `tf_adasum.rvh.allreduce` with `tf_adasum.combiners`'
+    ``Adasum`` or ``Sum`` rule, each tensor on its own: the binary tree over
+    the ranks in rank order (non-power-of-two sizes fold pairs (0, 1), ...
+    first), vector halving, then a gather. Adasum accumulates the partial
+    sums [a.b, |a|^2, |b|^2] in float64 (elements cast to float64 before they
+    are multiplied) and sums them over each level's group of ranks; the
+    coefficients are float64 (exactly 1 below `tf_adasum.reference.NORM_GUARD`)
+    and ``c_a * a + c_b * b`` is computed in float64 and cast to the dtype once
+    per level (via float32 for float16 and bfloat16, as `tf.cast`). "sum" adds
+    in the dtype, as TensorFlow does. Every rank ends bitwise identical.
+
+    Args:
+      values: tensors of one float dtype (float16, bfloat16, float32,
+        float64), any shapes (empty ones too); the same list on every rank.
+      comm: an mpi4py communicator.
+      rule: "adasum" or "sum".
+      timeout_seconds: how long each MPI wait may take (0: forever).
+
+    Returns:
+      ``(combined, partials)``: the combined tensors (shapes of `values`),
+      and float64 ``[levels, len(values), 3]``: per level (the fold first
+      when the size is not a power of two), the group-summed partials this
+      rank used, zeros where it computed none (all zeros for "sum"); as
+      `tf_adasum.rvh.level_representatives` and ``num_levels`` count levels.
+    """
+    if rule not in RULES:
+        raise ValueError(f"`rule` must be one of {list(RULES)}. Received: rule={rule!r}")
+    timeout_seconds = _check_timeout(timeout_seconds)
+    values = [tf.convert_to_tensor(v) for v in values]
+    if not values:
+        raise ValueError("`values` must hold at least one tensor. Received: values=[]")
+    for i, x in enumerate(values):
+        _check(x, _TREE_DTYPES, f"values[{i}]")
+        if x.dtype != values[0].dtype:
+            raise TypeError(
+                f"`values` must share one dtype. Received: values[0].dtype={values[0].dtype.name}, "
+                f"values[{i}].dtype={x.dtype.name}"
+            )
+    combined, partials = _ops().tf_adasum_mpi_tree(
+        values=values, comm=_handle(comm), rule=rule, timeout_seconds=timeout_seconds
+    )
+    leaves, folded = tree_shape(comm.Get_size())
+    partials.set_shape([leaves.bit_length() - 1 + (1 if folded else 0), len(values), 3])
+    return list(combined), partials
+
+
+@tf.autograph.experimental.do_not_convert
+def allreduce_sum(x: tf.Tensor, comm, timeout_seconds: float = 0.0) -> tf.Tensor:
+    """Elementwise sum of `x` (float32 or float64) over the ranks of `comm`
+    (``MPI_Iallreduce``, MPI's summation order); same shape and dtype."""
+    timeout_seconds = _check_timeout(timeout_seconds)
+    x = tf.convert_to_tensor(x)
+    _check(x, _SUM_DTYPES, "x")
+    return _ops().tf_adasum_mpi_allreduce(x=x, comm=_handle(comm), timeout_seconds=timeout_seconds)
+
+
+@tf.autograph.experimental.do_not_convert
+def allgather(x: tf.Tensor, comm, timeout_seconds: float = 0.0) -> tf.Tensor:
+    """``[size, *x.shape]``: every rank's `x` in rank order (bytes, unchanged).
+    For small tensors (under 2 GiB in all); the same shape on every rank."""
+    timeout_seconds = _check_timeout(timeout_seconds)
+    x = tf.convert_to_tensor(x)
+    _check(x, _GATHER_DTYPES, "x")
+    out = _ops().tf_adasum_mpi_allgather(x=x, comm=_handle(comm), timeout_seconds=timeout_seconds)
+    out.set_shape([comm.Get_size(), *x.shape])
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Builds tf_adasum's native MPI op library.")
+    parser.add_argument("--build", action="store_true", help="build (or find in the cache) and print its path")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # only the path of libmpi is needed here
+    except ImportError:
+        pass  # `build` names what is missing
+    try:
+        print(build())
+    except BuildError as error:
+        print(f"tf_adasum: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

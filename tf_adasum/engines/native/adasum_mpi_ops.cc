@@ -1,0 +1,891 @@
+// Native MPI ops of tf_adasum: the whole Adasum vector-halving tree of one
+// bucket in one TensorFlow op, plus a float sum and a byte gather.
+//
+// Built and loaded by tf_adasum/engines/mpi_native.py (which documents the
+// ops for Python callers). The semantics are those of tf_adasum/rvh.py
+// `allreduce` with the pair rules of tf_adasum/combiners.py and the math of
+// tf_adasum/ops.py, per tensor:
+//
+// * Ranks of the communicator form the tree in rank order. With `leaves` the
+//   largest power of two <= size and r = size - leaves, rank 2i+1 (i < r) sends
+//   its tensors to rank 2i, which combines them (a = its own) and stands for
+//   tree leaf i; leaf v is real rank 2v if v < r, else v + r.
+// * Level k pairs leaf v with v ^ 2^k (vector halving): the lower leaf keeps
+//   the first half of the current range of the fused (concatenated) tensors,
+//   the upper one the second half; on the kept half `a` is the lower leaf's
+//   value and `b` the upper one's.
+// * Adasum: per tensor, float64 partial sums [a.b, |a|^2, |b|^2] over the kept
+//   slice (elements cast to double before multiplying), summed over the
+//   2^(k+1) ranks holding the rest of the two subtrees by recursive doubling
+//   (every member ends with bitwise identical sums: a + b == b + a), then
+//   c_a = 1 - a.b / (2|a|^2), exactly 1 when |a|^2 < sqrt(DBL_MIN) (same for
+//   b), and c_a * a + c_b * b computed in double, cast to T once (as tf.cast
+//   does: via float for half and bfloat16). "sum": a + b in T, as TF adds.
+// * Phase 2 gathers the slices back (distance halving); rank 2i sends the
+//   result back to 2i+1. Every element is computed by exactly one rank.
+//
+// Inputs are read in place and results written straight into the outputs:
+// a message covering several tensors is one MPI message with an hindexed
+// datatype. Every wait polls against `timeout_seconds` and fails with
+// DEADLINE_EXCEEDED naming the call and the peer.
+
+#include <mpi.h>
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <limits>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf_adasum {
+namespace {
+
+using ::tensorflow::DataTypeToEnum;
+using ::tensorflow::OpInputList;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::OpOutputList;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using Status = ::absl::Status;
+
+// Tags of the ops' point-to-point messages (the ops run one at a time, in the
+// same order on every rank; distinct tags keep their messages apart anyway).
+constexpr int kTagHalving = 27101;
+constexpr int kTagPartials = 27102;
+constexpr int kTagGather = 27103;
+constexpr int kTagFold = 27104;
+constexpr int kTagFoldBack = 27105;
+
+// Largest contiguous block of one message part (MPI counts are ints).
+constexpr int64_t kMaxBlockBytes = int64_t{1} << 30;
+
+// The sqrt(DBL_MIN) guard of tf_adasum.reference.NORM_GUARD.
+const double kNormGuard = std::sqrt(std::numeric_limits<double>::min());
+
+// ---------------------------------------------------------------------------
+// MPI plumbing: handles, errors, deadlines.
+
+template <typename C>
+C HandleAs(int64_t handle) {
+  if constexpr (std::is_pointer_v<C>) {
+    return reinterpret_cast<C>(static_cast<intptr_t>(handle));
+  } else {
+    return static_cast<C>(handle);
+  }
+}
+
+std::string MpiErrorText(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, length);
+}
+
+Status MpiStatus(int code, const char* call) {
+  if (code == MPI_SUCCESS) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("tf_adasum MPI engine: ", call, " failed: ", MpiErrorText(code)));
+}
+
+#define TFA_MPI(call)                                    \
+  do {                                                   \
+    Status _status = MpiStatus((call), #call);           \
+    if (!_status.ok()) return _status;                   \
+  } while (0)
+
+// The communicator of an op, checked once per call (cheap MPI queries).
+struct Comm {
+  MPI_Comm comm;
+  int rank;
+  int size;
+};
+
+Status GetComm(int64_t handle, Comm* out) {
+  int initialized = 0, finalized = 0;
+  TFA_MPI(MPI_Initialized(&initialized));
+  TFA_MPI(MPI_Finalized(&finalized));
+  if (!initialized || finalized) {
+    return absl::FailedPreconditionError(
+        "tf_adasum MPI engine: MPI is not initialised (or already finalised) in this process; import "
+        "mpi4py's MPI module before running the native MPI ops.");
+  }
+  int provided = 0;
+  TFA_MPI(MPI_Query_thread(&provided));
+  if (provided < MPI_THREAD_SERIALIZED) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tf_adasum MPI engine: the native MPI ops run on TensorFlow's threads, which needs MPI initialised "
+        "with at least MPI_THREAD_SERIALIZED (mpi4py's default is MPI_THREAD_MULTIPLE); MPI provides level ",
+        provided, "."));
+  }
+  out->comm = HandleAs<MPI_Comm>(handle);
+  if (out->comm == MPI_COMM_NULL) {
+    return absl::InvalidArgumentError("tf_adasum MPI engine: `comm` is MPI_COMM_NULL.");
+  }
+  TFA_MPI(MPI_Comm_rank(out->comm, &out->rank));
+  TFA_MPI(MPI_Comm_size(out->comm, &out->size));
+  return absl::OkStatus();
+}
+
+// Buffers of ops that failed while MPI may still read or write them are kept
+// here for the life of the process (a late peer must not write freed memory).
+void KeepForever(const std::vector<Tensor>& tensors) {
+  static std::mutex* mutex = new std::mutex;
+  static std::vector<Tensor>* kept = new std::vector<Tensor>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  kept->insert(kept->end(), tensors.begin(), tensors.end());
+}
+
+// Polls MPI requests until they complete or `timeout_seconds` (0: forever)
+// pass. MPI progresses only inside MPI calls, so it tests often: it yields the
+// processor between tests (ranks may share cores) and sleeps briefly only
+// after a while without completion.
+class Waiter {
+ public:
+  Waiter(double timeout_seconds, std::vector<Tensor>* buffers)
+      : timeout_seconds_(timeout_seconds), buffers_(buffers) {}
+
+  // `collective`: the requests belong to a nonblocking collective (which
+  // cannot be cancelled or freed; they are left pending on expiry).
+  Status Wait(std::vector<MPI_Request>* requests, const std::function<std::string()>& what,
+              bool collective = false) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      TFA_MPI(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, MPI_STATUSES_IGNORE));
+      if (done) return absl::OkStatus();
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (timeout_seconds_ > 0 && waited > timeout_seconds_) return Expire(requests, what(), collective);
+      if (waited < kSpinSeconds) {
+        sched_yield();
+      } else {
+        const struct timespec pause = {0, kSleepNanoseconds};
+        nanosleep(&pause, nullptr);
+      }
+    }
+  }
+
+ private:
+  static constexpr double kSpinSeconds = 2e-3;
+  static constexpr long kSleepNanoseconds = 50000;
+
+  Status Expire(std::vector<MPI_Request>* requests, const std::string& what, bool collective) {
+    if (!collective) {
+      for (MPI_Request& request : *requests) {
+        if (request == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&request);
+        MPI_Request_free(&request);
+      }
+    }
+    KeepForever(*buffers_);
+    return absl::DeadlineExceededError(absl::StrCat(
+        "tf_adasum MPI engine: ", what, " did not complete within ", timeout_seconds_,
+        " s. A peer rank has failed, or ranks run different numbers of steps (shard the data so that every "
+        "rank runs the same number of batches). Set TF_ADASUM_MPI_TIMEOUT to change the limit."));
+  }
+
+  double timeout_seconds_;
+  std::vector<Tensor>* buffers_;  // what to keep alive when a wait expires
+};
+
+// ---------------------------------------------------------------------------
+// Arithmetic kernels. float64 accumulation; vectorised with GCC vector
+// extensions, and compiled a second time for AVX2 on x86_64 (chosen at run
+// time, so the library runs on any x86_64). No FMA contraction
+// (-ffp-contract=off), so c_a * a + c_b * b rounds as written.
+
+typedef double V4d __attribute__((vector_size(32)));
+typedef float V4f __attribute__((vector_size(16)));
+typedef uint16_t V4u16 __attribute__((vector_size(8)));
+typedef uint32_t V4u32 __attribute__((vector_size(16)));
+
+template <typename T>
+__attribute__((always_inline)) inline V4d Load4(const T* p) {
+  return V4d{static_cast<double>(static_cast<float>(p[0])), static_cast<double>(static_cast<float>(p[1])),
+             static_cast<double>(static_cast<float>(p[2])), static_cast<double>(static_cast<float>(p[3]))};
+}
+template <>
+__attribute__((always_inline)) inline V4d Load4<double>(const double* p) {
+  V4d v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <>
+__attribute__((always_inline)) inline V4d Load4<float>(const float* p) {
+  V4f v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(v, V4d);
+}
+template <>
+__attribute__((always_inline)) inline V4d Load4<Eigen::bfloat16>(const Eigen::bfloat16* p) {
+  V4u16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const V4u32 wide = __builtin_convertvector(bits, V4u32) << 16;  // bfloat16 is float's upper half
+  V4f v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return __builtin_convertvector(v, V4d);
+}
+
+template <typename T>
+__attribute__((always_inline)) inline double ToDouble(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+template <>
+__attribute__((always_inline)) inline double ToDouble<double>(double x) {
+  return x;
+}
+
+// double -> T as tf.cast rounds it (Eigen: half and bfloat16 via float).
+template <typename T>
+__attribute__((always_inline)) inline T FromDouble(double x) {
+  return T(static_cast<float>(x));
+}
+template <>
+__attribute__((always_inline)) inline double FromDouble<double>(double x) {
+  return x;
+}
+template <>
+__attribute__((always_inline)) inline float FromDouble<float>(double x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void Store4(T* out, V4d v) {
+  for (int i = 0; i < 4; ++i) out[i] = FromDouble<T>(v[i]);
+}
+template <>
+__attribute__((always_inline)) inline void Store4<double>(double* out, V4d v) {
+  std::memcpy(out, &v, sizeof(v));
+}
+template <>
+__attribute__((always_inline)) inline void Store4<float>(float* out, V4d v) {
+  const V4f f = __builtin_convertvector(v, V4f);
+  std::memcpy(out, &f, sizeof(f));
+}
+
+// sums[0..2] += [a.b, |a|^2, |b|^2] over n elements.
+template <typename T>
+__attribute__((always_inline)) inline void DotsBody(const T* a, const T* b, int64_t n, double* sums) {
+  V4d ab0 = {0, 0, 0, 0}, aa0 = ab0, bb0 = ab0, ab1 = ab0, aa1 = ab0, bb1 = ab0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V4d a0 = Load4(a + i), b0 = Load4(b + i), a1 = Load4(a + i + 4), b1 = Load4(b + i + 4);
+    ab0 += a0 * b0;
+    aa0 += a0 * a0;
+    bb0 += b0 * b0;
+    ab1 += a1 * b1;
+    aa1 += a1 * a1;
+    bb1 += b1 * b1;
+  }
+  const V4d ab = ab0 + ab1, aa = aa0 + aa1, bb = bb0 + bb1;
+  double dot = (ab[0] + ab[1]) + (ab[2] + ab[3]);
+  double a_sq = (aa[0] + aa[1]) + (aa[2] + aa[3]);
+  double b_sq = (bb[0] + bb[1]) + (bb[2] + bb[3]);
+  for (; i < n; ++i) {
+    const double x = ToDouble(a[i]), y = ToDouble(b[i]);
+    dot += x * y;
+    a_sq += x * x;
+    b_sq += y * y;
+  }
+  sums[0] += dot;
+  sums[1] += a_sq;
+  sums[2] += b_sq;
+}
+
+// out = T(c_a * a + c_b * b), elementwise (out may be a or b).
+template <typename T>
+__attribute__((always_inline)) inline void ScaledSumBody(const T* a, const T* b, T* out, int64_t n, double c_a,
+                                                         double c_b) {
+  const V4d ca = {c_a, c_a, c_a, c_a}, cb = {c_b, c_b, c_b, c_b};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) Store4(out + i, ca * Load4(a + i) + cb * Load4(b + i));
+  for (; i < n; ++i) out[i] = FromDouble<T>(c_a * ToDouble(a[i]) + c_b * ToDouble(b[i]));
+}
+
+template <typename T>
+void DotsGeneric(const T* a, const T* b, int64_t n, double* sums) {
+  DotsBody(a, b, n, sums);
+}
+template <typename T>
+void ScaledSumGeneric(const T* a, const T* b, T* out, int64_t n, double c_a, double c_b) {
+  ScaledSumBody(a, b, out, n, c_a, c_b);
+}
+
+#if defined(__x86_64__)
+template <typename T>
+__attribute__((target("avx2"))) void DotsAvx2(const T* a, const T* b, int64_t n, double* sums) {
+  DotsBody(a, b, n, sums);
+}
+template <typename T>
+__attribute__((target("avx2"))) void ScaledSumAvx2(const T* a, const T* b, T* out, int64_t n, double c_a,
+                                                   double c_b) {
+  ScaledSumBody(a, b, out, n, c_a, c_b);
+}
+
+bool HasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+#endif
+
+template <typename T>
+void Dots(const T* a, const T* b, int64_t n, double* sums) {
+#if defined(__x86_64__)
+  if (HasAvx2()) return DotsAvx2(a, b, n, sums);
+#endif
+  DotsGeneric(a, b, n, sums);
+}
+
+template <typename T>
+void ScaledSum(const T* a, const T* b, T* out, int64_t n, double c_a, double c_b) {
+#if defined(__x86_64__)
+  if (HasAvx2()) return ScaledSumAvx2(a, b, out, n, c_a, c_b);
+#endif
+  ScaledSumGeneric(a, b, out, n, c_a, c_b);
+}
+
+// out = a + b in T (Eigen's half and bfloat16 add via float and round, as TF).
+template <typename T>
+void Add(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// ---------------------------------------------------------------------------
+// The fused vector: the tensors of one op concatenated (no padding). A View
+// says where a range of it is stored: in per-tensor buffers (inputs,
+// outputs), or in one flat scratch buffer starting at logical index `origin`.
+
+class Layout {
+ public:
+  explicit Layout(std::vector<int64_t> sizes) : offsets_(sizes.size() + 1, 0) {
+    for (size_t t = 0; t < sizes.size(); ++t) offsets_[t + 1] = offsets_[t] + sizes[t];
+  }
+  int64_t total() const { return offsets_.back(); }
+  int64_t offset(int t) const { return offsets_[t]; }
+  int num_tensors() const { return static_cast<int>(offsets_.size()) - 1; }
+
+  // Calls fn(t, begin, count) for each tensor t overlapping [lo, hi): its
+  // elements [begin, begin + count) in fused (logical) coordinates.
+  template <typename Fn>
+  void ForEachPiece(int64_t lo, int64_t hi, Fn fn) const {
+    if (lo >= hi) return;
+    int t = static_cast<int>(std::upper_bound(offsets_.begin(), offsets_.end(), lo) - offsets_.begin()) - 1;
+    for (; t < num_tensors() && offsets_[t] < hi; ++t) {
+      const int64_t begin = std::max(lo, offsets_[t]), end = std::min(hi, offsets_[t + 1]);
+      if (end > begin) fn(t, begin, end - begin);
+    }
+  }
+
+ private:
+  std::vector<int64_t> offsets_;
+};
+
+template <typename T>
+struct View {
+  const Layout* layout;
+  std::vector<T*> tensors;  // per-tensor storage, or empty for flat storage
+  T* flat = nullptr;
+  int64_t origin = 0;
+
+  T* At(int t, int64_t logical) const {
+    return tensors.empty() ? flat + (logical - origin) : tensors[t] + (logical - layout->offset(t));
+  }
+};
+
+// One MPI message for a range of a View: contiguous bytes when it can be,
+// else an hindexed datatype of absolute addresses (sent from MPI_BOTTOM).
+class Message {
+ public:
+  Message() = default;
+  Message(const Message&) = delete;
+  Message& operator=(const Message&) = delete;
+  ~Message() {
+    if (type_ != MPI_BYTE) MPI_Type_free(&type_);
+  }
+
+  template <typename T>
+  Status Describe(const View<T>& view, int64_t lo, int64_t hi) {
+    std::vector<std::pair<char*, int64_t>> blocks;  // (address, bytes)
+    view.layout->ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
+      char* address = reinterpret_cast<char*>(view.At(t, begin));
+      int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+      if (!blocks.empty() && blocks.back().first + blocks.back().second == address) {
+        blocks.back().second += bytes;  // adjacent (flat storage): one block
+        return;
+      }
+      blocks.emplace_back(address, bytes);
+    });
+    if (blocks.empty()) {
+      buffer_ = nullptr;
+      count_ = 0;
+      return absl::OkStatus();
+    }
+    if (blocks.size() == 1 && blocks[0].second <= INT_MAX) {
+      buffer_ = blocks[0].first;
+      count_ = static_cast<int>(blocks[0].second);
+      return absl::OkStatus();
+    }
+    std::vector<int> lengths;
+    std::vector<MPI_Aint> displacements;
+    for (const auto& [address, bytes] : blocks) {
+      for (int64_t done = 0; done < bytes; done += kMaxBlockBytes) {
+        MPI_Aint displacement;
+        TFA_MPI(MPI_Get_address(address + done, &displacement));
+        displacements.push_back(displacement);
+        lengths.push_back(static_cast<int>(std::min(kMaxBlockBytes, bytes - done)));
+      }
+    }
+    TFA_MPI(MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(), displacements.data(),
+                                     MPI_BYTE, &type_));
+    TFA_MPI(MPI_Type_commit(&type_));
+    buffer_ = MPI_BOTTOM;
+    count_ = 1;
+    return absl::OkStatus();
+  }
+
+  Status Isend(int peer, int tag, MPI_Comm comm, MPI_Request* request) const {
+    return MpiStatus(MPI_Isend(buffer_, count_, type_, peer, tag, comm, request), "MPI_Isend");
+  }
+  Status Irecv(int peer, int tag, MPI_Comm comm, MPI_Request* request) const {
+    return MpiStatus(MPI_Irecv(buffer_, count_, type_, peer, tag, comm, request), "MPI_Irecv");
+  }
+
+ private:
+  void* buffer_ = nullptr;
+  int count_ = 0;
+  MPI_Datatype type_ = MPI_BYTE;
+};
+
+// ---------------------------------------------------------------------------
+// TfAdasumMpiTree
+
+enum class Rule { kAdasum, kSum };
+
+template <typename T>
+class TreeOp : public OpKernel {
+ public:
+  explicit TreeOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("comm", &comm_handle_));
+    std::string rule;
+    OP_REQUIRES_OK(context, context->GetAttr("rule", &rule));
+    rule_ = rule == "sum" ? Rule::kSum : Rule::kAdasum;
+    float timeout = 0;
+    OP_REQUIRES_OK(context, context->GetAttr("timeout_seconds", &timeout));
+    timeout_seconds_ = timeout;
+  }
+
+  void Compute(OpKernelContext* context) override { OP_REQUIRES_OK(context, Run(context)); }
+
+ private:
+  // State of one call.
+  struct Call {
+    Comm comm;
+    int leaves = 1, folded = 0;
+    Layout* layout = nullptr;
+    View<T> in, out;
+    std::vector<double> partials;  // [levels, n, 3], this rank's
+    Waiter* waiter = nullptr;
+  };
+
+  static int RealRank(int virtual_rank, int folded) {
+    return virtual_rank < folded ? 2 * virtual_rank : virtual_rank + folded;
+  }
+
+  Status Run(OpKernelContext* context) {
+    Call call;
+    TF_RETURN_IF_ERROR(GetComm(comm_handle_, &call.comm));
+    OpInputList values;
+    TF_RETURN_IF_ERROR(context->input_list("values", &values));
+    OpOutputList combined;
+    TF_RETURN_IF_ERROR(context->output_list("combined", &combined));
+    const int n = values.size();
+    const int size = call.comm.size;
+    while (call.leaves * 2 <= size) call.leaves *= 2;
+    call.folded = size - call.leaves;
+    int levels = call.folded ? 1 : 0;
+    for (int leaves = call.leaves; leaves > 1; leaves /= 2) ++levels;
+
+    Tensor* partials_tensor = nullptr;
+    TF_RETURN_IF_ERROR(context->allocate_output("partials", TensorShape({levels, n, 3}), &partials_tensor));
+    call.partials.assign(static_cast<size_t>(levels) * n * 3, 0.0);
+
+    std::vector<int64_t> sizes;
+    std::vector<Tensor> buffers;  // kept alive if a wait expires
+    for (int t = 0; t < n; ++t) sizes.push_back(values[t].NumElements());
+    Layout layout(sizes);
+    call.layout = &layout;
+    if (size == 1 || layout.total() == 0) {
+      for (int t = 0; t < n; ++t) combined.set(t, values[t]);
+    } else {
+      call.in.layout = call.out.layout = &layout;
+      for (int t = 0; t < n; ++t) {
+        Tensor* output = nullptr;
+        TF_RETURN_IF_ERROR(combined.allocate(t, values[t].shape(), &output));
+        // Inputs are only read; MPI takes non-const buffers.
+        call.in.tensors.push_back(const_cast<T*>(values[t].flat<T>().data()));
+        call.out.tensors.push_back(output->flat<T>().data());
+        buffers.push_back(values[t]);
+        buffers.push_back(*output);
+      }
+      Waiter waiter(timeout_seconds_, &buffers);
+      call.waiter = &waiter;
+      TF_RETURN_IF_ERROR(Tree(context, &call, &buffers));
+    }
+    std::copy(call.partials.begin(), call.partials.end(), partials_tensor->flat<double>().data());
+    return absl::OkStatus();
+  }
+
+  Status Tree(OpKernelContext* context, Call* call, std::vector<Tensor>* buffers) {
+    const int rank = call->comm.rank;
+    const int folded = call->folded;
+    const int64_t total = call->layout->total();
+    int virtual_rank;
+    bool have_result_in_out = false;  // false: this rank's value is still `in`
+    if (rank < 2 * folded) {
+      if (rank % 2) {  // sends its tensors to rank - 1, receives the result
+        return Transfer(call, rank - 1, &call->in, 0, total, kTagFold, &call->out, 0, total, kTagFoldBack, [=] {
+          return absl::StrCat("the fold exchange with rank ", rank - 1, " (this rank's tensors out, the result back)");
+        });
+      }
+      // Fold: a = this rank's, b = rank + 1's, received straight into the outputs.
+      TF_RETURN_IF_ERROR(Transfer(call, rank + 1, nullptr, 0, 0, 0, &call->out, 0, total, kTagFold, [=] {
+        return absl::StrCat("the fold receive from rank ", rank + 1);
+      }));
+      TF_RETURN_IF_ERROR(Combine(call, call->in, call->out, 0, total, 0, nullptr, 0));
+      virtual_rank = rank / 2;
+      have_result_in_out = true;
+    } else {
+      virtual_rank = rank - folded;
+    }
+    int level = folded ? 1 : 0;
+
+    // Phase 1: reduce-scatter by vector halving.
+    struct Kept {
+      int64_t lo, hi;
+      bool lower;  // this rank kept the lower half
+    };
+    std::vector<Kept> kept;  // per level
+    int64_t lo = 0, hi = total;
+    Tensor scratch;  // allocated when first needed
+    bool have_scratch = false;
+    View<T> received{call->layout, {}, nullptr, 0};
+    for (int bit = 1; bit < call->leaves; bit <<= 1, ++level) {
+      const int partner = RealRank(virtual_rank ^ bit, folded);
+      const bool lower = !(virtual_rank & bit);
+      const int64_t mid = lo + (hi - lo) / 2;
+      const int64_t keep_lo = lower ? lo : mid, keep_hi = lower ? mid : hi;
+      const int64_t give_lo = lower ? mid : lo, give_hi = lower ? hi : mid;
+      // This rank's current values, and where the partner's half arrives:
+      // straight into the outputs while they hold nothing yet, else scratch.
+      const View<T>& mine = have_result_in_out ? call->out : call->in;
+      const View<T>* theirs = &call->out;
+      if (have_result_in_out) {
+        if (!have_scratch) {
+          TF_RETURN_IF_ERROR(context->allocate_temp(DataTypeToEnum<T>::value,
+                                                    TensorShape({(total + 1) / 2}), &scratch));
+          buffers->push_back(scratch);
+          have_scratch = true;
+        }
+        received.flat = scratch.flat<T>().data();
+        received.origin = keep_lo;
+        theirs = &received;
+      }
+      TF_RETURN_IF_ERROR(Transfer(call, partner, &mine, give_lo, give_hi, kTagHalving, theirs, keep_lo, keep_hi,
+                                  kTagHalving, [=] {
+                                    return absl::StrCat("the exchange of level ", level, " with rank ", partner);
+                                  }));
+      const View<T>& a = lower ? mine : *theirs;
+      const View<T>& b = lower ? *theirs : mine;
+      const int block_start = virtual_rank & ~(2 * bit - 1);
+      std::vector<int> group;
+      for (int v = block_start; v < block_start + 2 * bit; ++v) group.push_back(RealRank(v, folded));
+      TF_RETURN_IF_ERROR(Combine(call, a, b, keep_lo, keep_hi, level, &group, virtual_rank - block_start));
+      have_result_in_out = true;
+      kept.push_back({keep_lo, keep_hi, lower});
+      lo = keep_lo;
+      hi = keep_hi;
+    }
+
+    // Phase 2: gather the slices back (distance halving), straight into the outputs.
+    for (int k = static_cast<int>(kept.size()) - 1; k >= 0; --k) {
+      const int partner = RealRank(virtual_rank ^ (1 << k), folded);
+      const int64_t parent_lo = k ? kept[k - 1].lo : 0, parent_hi = k ? kept[k - 1].hi : total;
+      const int64_t theirs_lo = kept[k].lower ? kept[k].hi : parent_lo;
+      const int64_t theirs_hi = kept[k].lower ? parent_hi : kept[k].lo;
+      TF_RETURN_IF_ERROR(Transfer(call, partner, &call->out, kept[k].lo, kept[k].hi, kTagGather, &call->out,
+                                  theirs_lo, theirs_hi, kTagGather, [=] {
+                                    return absl::StrCat("the gather of level ", k, " with rank ", partner);
+                                  }));
+    }
+
+    if (rank < 2 * folded) {  // the result back to the folded partner
+      return Transfer(call, rank + 1, &call->out, 0, total, kTagFoldBack, nullptr, 0, 0, 0, [=] {
+        return absl::StrCat("the send of the result to rank ", rank + 1);
+      });
+    }
+    return absl::OkStatus();
+  }
+
+  // Sends `from`[give_lo, give_hi) to `peer` (unless `from` is null) while
+  // receiving its message into `into`[take_lo, take_hi) (unless null).
+  Status Transfer(Call* call, int peer, const View<T>* from, int64_t give_lo, int64_t give_hi, int send_tag,
+                  const View<T>* into, int64_t take_lo, int64_t take_hi, int receive_tag,
+                  const std::function<std::string()>& what) {
+    Message send, receive;
+    std::vector<MPI_Request> requests;
+    if (into != nullptr) {
+      TF_RETURN_IF_ERROR(receive.Describe(*into, take_lo, take_hi));
+      requests.push_back(MPI_REQUEST_NULL);
+      TF_RETURN_IF_ERROR(receive.Irecv(peer, receive_tag, call->comm.comm, &requests.back()));
+    }
+    if (from != nullptr) {
+      TF_RETURN_IF_ERROR(send.Describe(*from, give_lo, give_hi));
+      requests.push_back(MPI_REQUEST_NULL);
+      TF_RETURN_IF_ERROR(send.Isend(peer, send_tag, call->comm.comm, &requests.back()));
+    }
+    return call->waiter->Wait(&requests, what);
+  }
+
+  // Combines a and b on [lo, hi) into the outputs. Adasum: partial sums over
+  // the slice, summed over `group` (real ranks; this rank is group[me]) unless
+  // null (the fold: whole tensors), recorded as `level`'s partials.
+  Status Combine(Call* call, const View<T>& a, const View<T>& b, int64_t lo, int64_t hi, int level,
+                 const std::vector<int>* group, int me) {
+    const Layout& layout = *call->layout;
+    const View<T>& out = call->out;
+    if (rule_ == Rule::kSum) {
+      layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
+        Add(a.At(t, begin), b.At(t, begin), out.At(t, begin), count);
+      });
+      return absl::OkStatus();
+    }
+    const int n = layout.num_tensors();
+    double* sums = call->partials.data() + static_cast<size_t>(level) * n * 3;
+    layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
+      Dots(a.At(t, begin), b.At(t, begin), count, sums + 3 * t);
+    });
+    if (group != nullptr) TF_RETURN_IF_ERROR(SumOverGroup(call, sums, *group, me, level));
+    layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
+      const double* s = sums + 3 * t;
+      const double c_a = s[1] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[1]);
+      const double c_b = s[2] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[2]);
+      ScaledSum(a.At(t, begin), b.At(t, begin), out.At(t, begin), count, c_a, c_b);
+    });
+    return absl::OkStatus();
+  }
+
+  // Recursive doubling over the group's members: at each step both members
+  // add the same two numbers (in either order), so all end bitwise equal.
+  Status SumOverGroup(Call* call, double* sums, const std::vector<int>& group, int me, int level) {
+    const int count = 3 * call->layout->num_tensors();
+    std::vector<double> other(count);
+    for (size_t bit = 1; bit < group.size(); bit <<= 1) {
+      const int peer = group[me ^ bit];
+      std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
+      TFA_MPI(MPI_Irecv(other.data(), count, MPI_DOUBLE, peer, kTagPartials, call->comm.comm, &requests[0]));
+      TFA_MPI(MPI_Isend(sums, count, MPI_DOUBLE, peer, kTagPartials, call->comm.comm, &requests[1]));
+      TF_RETURN_IF_ERROR(call->waiter->Wait(&requests, [&] {
+        return absl::StrCat("the partial sums of level ", level, " with rank ", peer, " (group of ranks ",
+                            absl::StrJoin(group, ", "), ")");
+      }));
+      for (int i = 0; i < count; ++i) sums[i] += other[i];
+    }
+    return absl::OkStatus();
+  }
+
+  int64_t comm_handle_ = 0;
+  Rule rule_ = Rule::kAdasum;
+  double timeout_seconds_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// TfAdasumMpiAllreduce and TfAdasumMpiAllgather
+
+template <typename T>
+MPI_Datatype MpiType();
+template <>
+MPI_Datatype MpiType<float>() {
+  return MPI_FLOAT;
+}
+template <>
+MPI_Datatype MpiType<double>() {
+  return MPI_DOUBLE;
+}
+
+class CollectiveOp : public OpKernel {
+ public:
+  explicit CollectiveOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("comm", &comm_handle_));
+    float timeout = 0;
+    OP_REQUIRES_OK(context, context->GetAttr("timeout_seconds", &timeout));
+    timeout_seconds_ = timeout;
+  }
+
+ protected:
+  int64_t comm_handle_ = 0;
+  double timeout_seconds_ = 0;
+};
+
+template <typename T>
+class AllreduceOp : public CollectiveOp {
+ public:
+  using CollectiveOp::CollectiveOp;
+
+  void Compute(OpKernelContext* context) override { OP_REQUIRES_OK(context, Run(context)); }
+
+ private:
+  Status Run(OpKernelContext* context) {
+    Comm comm;
+    TF_RETURN_IF_ERROR(GetComm(comm_handle_, &comm));
+    const Tensor& x = context->input(0);
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(context->allocate_output(0, x.shape(), &out));
+    std::vector<Tensor> buffers = {x, *out};
+    Waiter waiter(timeout_seconds_, &buffers);
+    const T* in = x.flat<T>().data();
+    T* result = out->flat<T>().data();
+    const int64_t total = x.NumElements();
+    if (comm.size == 1) {
+      std::copy(in, in + total, result);
+      return absl::OkStatus();
+    }
+    // Chunks of at most INT_MAX elements (MPI counts are ints).
+    for (int64_t done = 0; done < total; done += INT_MAX) {
+      const int count = static_cast<int>(std::min<int64_t>(INT_MAX, total - done));
+      std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+      TFA_MPI(MPI_Iallreduce(in + done, result + done, count, MpiType<T>(), MPI_SUM, comm.comm, &requests[0]));
+      TF_RETURN_IF_ERROR(waiter.Wait(
+          &requests,
+          [&] { return absl::StrCat("a sum over the ", comm.size, " ranks of the communicator"); },
+          /*collective=*/true));
+    }
+    return absl::OkStatus();
+  }
+};
+
+class AllgatherOp : public CollectiveOp {
+ public:
+  using CollectiveOp::CollectiveOp;
+
+  void Compute(OpKernelContext* context) override { OP_REQUIRES_OK(context, Run(context)); }
+
+ private:
+  Status Run(OpKernelContext* context) {
+    Comm comm;
+    TF_RETURN_IF_ERROR(GetComm(comm_handle_, &comm));
+    const Tensor& x = context->input(0);
+    TensorShape shape({comm.size});
+    shape.AppendShape(x.shape());
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &out));
+    const int64_t bytes = x.TotalBytes();
+    if (bytes * comm.size > INT_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tf_adasum MPI engine: TfAdasumMpiAllgather gathers small tensors (under 2 GiB in all). Received ",
+          bytes, " bytes per rank on ", comm.size, " ranks."));
+    }
+    if (bytes == 0) return absl::OkStatus();
+    std::vector<Tensor> buffers = {x, *out};
+    Waiter waiter(timeout_seconds_, &buffers);
+    std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+    TFA_MPI(MPI_Iallgather(const_cast<char*>(x.tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
+                           const_cast<char*>(out->tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
+                           comm.comm, &requests[0]));
+    return waiter.Wait(
+        &requests, [&] { return absl::StrCat("a gather over the ", comm.size, " ranks of the communicator"); },
+        /*collective=*/true);
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Registration.
+
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+REGISTER_OP("TfAdasumMpiTree")
+    .Input("values: num_tensors * T")
+    .Output("combined: num_tensors * T")
+    .Output("partials: float64")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("num_tensors: int >= 1")
+    .Attr("comm: int")
+    .Attr("rule: {'adasum', 'sum'} = 'adasum'")
+    .Attr("timeout_seconds: float = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int num_tensors = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_tensors", &num_tensors));
+      for (int i = 0; i < num_tensors; ++i) c->set_output(i, c->input(i));
+      c->set_output(num_tensors, c->MakeShape({c->UnknownDim(), num_tensors, 3}));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The Adasum (or plain-sum) vector-halving tree over the ranks of an MPI
+communicator, each tensor combined on its own; see tf_adasum/engines/mpi_native.py.
+)doc");
+
+REGISTER_OP("TfAdasumMpiAllreduce")
+    .Input("x: T")
+    .Output("sum: T")
+    .Attr("T: {float, double}")
+    .Attr("comm: int")
+    .Attr("timeout_seconds: float = 0")
+    .SetIsStateful()
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
+    .Doc("Elementwise sum over the ranks of an MPI communicator (MPI_Iallreduce).");
+
+REGISTER_OP("TfAdasumMpiAllgather")
+    .Input("x: T")
+    .Output("gathered: T")
+    .Attr("T: {int32, int64, half, bfloat16, float, double}")
+    .Attr("comm: int")
+    .Attr("timeout_seconds: float = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), c->input(0), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("[size, *x.shape]: every rank's x, in rank order (MPI_Iallgather of bytes).");
+
+#define TFA_REGISTER_TREE(T) \
+  REGISTER_KERNEL_BUILDER(   \
+      Name("TfAdasumMpiTree").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), TreeOp<T>)
+TFA_REGISTER_TREE(Eigen::half);
+TFA_REGISTER_TREE(Eigen::bfloat16);
+TFA_REGISTER_TREE(float);
+TFA_REGISTER_TREE(double);
+#undef TFA_REGISTER_TREE
+
+REGISTER_KERNEL_BUILDER(Name("TfAdasumMpiAllreduce").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+                        AllreduceOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TfAdasumMpiAllreduce").Device(::tensorflow::DEVICE_CPU).TypeConstraint<double>("T"),
+                        AllreduceOp<double>);
+REGISTER_KERNEL_BUILDER(Name("TfAdasumMpiAllgather").Device(::tensorflow::DEVICE_CPU), AllgatherOp);
+
+}  // namespace tf_adasum

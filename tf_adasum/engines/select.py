@@ -1,0 +1,121 @@
+"""Which engine combines: the one place that reads MPI launchers' variables.
+
+`make_engine` is called once, when `tf_adasum.AdasumOptimizer` is built:
+
+* ``backend="tf"``: the strategy's replicas over TF collective ops
+  (`tf_adasum.engines.tf.TFEngine`);
+* ``backend="mpi"``: MPI ranks, one replica per process
+  (`tf_adasum.engines.mpi.MPIEngine`);
+* ``backend="auto"``: "tf" with a multi-replica strategy, else "mpi" when an
+  MPI launcher started this process with several ranks, else one replica.
+
+Combinations that would silently train each process alone raise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_util
+
+from tf_adasum.comm import cluster
+from tf_adasum.comm import mpi as mpi_transport
+from tf_adasum.engines.base import Engine
+from tf_adasum.engines.mpi import MPIEngine
+from tf_adasum.engines.tf import TFEngine
+
+__all__ = [
+    "BACKENDS",
+    "LAUNCHER_SIZE_VARIABLES",
+    "choose_backend",
+    "communication_options",
+    "launched_by_mpi",
+    "launcher_world_size",
+    "make_engine",
+    "mpi_world",
+]
+
+#: Environment variables MPI launchers set to the world size (Open MPI,
+#: MPICH/Hydra, PMIx, Intel MPI, srun). Slurm's allocation-wide SLURM_NTASKS is
+#: left out: it is also set for a plain ``python train.py`` inside ``sbatch``.
+LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
+
+BACKENDS = ("auto", "tf", "mpi")
+
+
+def launcher_world_size() -> int:
+    """The world size an MPI launcher announced in this process's environment
+    (1 when none did; mpi4py is not imported)."""
+    sizes = [1]
+    for name in LAUNCHER_SIZE_VARIABLES:
+        try:
+            sizes.append(int(os.environ.get(name, "1")))
+        except ValueError:
+            continue
+    return max(sizes)
+
+
+def launched_by_mpi() -> bool:
+    """True when an MPI launcher started this process with world size > 1."""
+    return launcher_world_size() > 1
+
+
+def mpi_world() -> mpi_transport.World:
+    """The process's MPI world (initialises MPI), checked against the launcher."""
+    return mpi_transport.world(launcher_world_size())
+
+
+def choose_backend(backend: str, strategy) -> str:
+    """``"tf"`` or ``"mpi"`` for `backend` under `strategy`; raises for
+    combinations that would train each process alone."""
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}. Received: backend={backend!r}")
+    replicas = strategy.num_replicas_in_sync
+    launched = launched_by_mpi()
+    one_process_strategy = replicas > 1 and cluster.num_workers(strategy) == 1
+    if (backend == "mpi" and replicas > 1) or (backend == "auto" and launched and one_process_strategy):
+        raise ValueError(
+            f"AdasumOptimizer(backend={backend!r}) in a process started by an MPI launcher cannot also "
+            f"combine the {replicas} replicas of a tf.distribute strategy: run one MPI rank per device "
+            "without a strategy, or use MultiWorkerMirroredStrategy (TF_CONFIG, or Slurm's cluster resolver "
+            "under srun) without an MPI combine."
+        )
+    if backend == "tf" and replicas == 1 and launched:
+        raise ValueError(
+            "AdasumOptimizer(backend='tf') has one replica in a process started by an MPI launcher, so it "
+            "would train each rank alone. Use backend='auto' or 'mpi' under mpirun, or a multi-replica "
+            "tf.distribute strategy."
+        )
+    if backend == "auto":
+        return "mpi" if launched and replicas == 1 else "tf"
+    return backend
+
+
+def communication_options(strategy) -> tf.distribute.experimental.CommunicationOptions:
+    """The options the strategy's collectives use: those of its cross-device
+    ops when they carry options (`tf_adasum.AdasumCrossDeviceOps`), else a
+    `MultiWorkerMirroredStrategy`'s own (e.g. its collective timeout), else
+    the defaults. tf.distribute has no public accessor; the two private
+    attributes are read here only, and their absence is an error."""
+    extended = strategy.extended
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        if not hasattr(extended, "_cross_device_ops"):
+            raise RuntimeError("tf_adasum: MirroredStrategy.extended._cross_device_ops is gone in this TensorFlow.")
+        options = getattr(extended._cross_device_ops, "options", None)
+        if isinstance(options, collective_util.Options):
+            return options
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if not hasattr(extended, "_communication_options"):
+            raise RuntimeError(
+                "tf_adasum: MultiWorkerMirroredStrategy.extended._communication_options is gone in this TensorFlow."
+            )
+        return extended._communication_options
+    return tf.distribute.experimental.CommunicationOptions()
+
+
+def make_engine(backend: str, strategy) -> Engine:
+    """The engine for `backend` (see `choose_backend`) under `strategy`."""
+    if choose_backend(backend, strategy) == "mpi":
+        return MPIEngine(mpi_world())
+    return TFEngine.for_strategy(strategy, communication_options(strategy))

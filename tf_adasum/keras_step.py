@@ -1,0 +1,91 @@
+"""What a Keras 3 optimizer's ``apply()`` does, done per replica: the one module
+touching the inner optimizer's and Keras' private functions.
+
+A Keras optimizer's own ``apply()`` SUM-all-reduces gradients under a
+strategy, so `tf_adasum.AdasumOptimizer` cannot call it with replicas' local
+gradients. These functions take over its parts, in cross-replica context,
+each replica with its own gradients: clipping (``_clip_gradients``), weight
+decay (``_use_weight_decay``), the per-variable ``update_step``, the
+``iterations`` count, constraints, and the EMA of the combined weights
+(``_model_variables_moving_average``, ``_overwrite_model_variables_with_average_value``).
+Every private name used is checked once (`check_keras_internals`), so a Keras
+release that renames one fails loudly at construction, never silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+
+__all__ = ["apply_constraints", "check_keras_internals", "local_update", "tf_variable", "update_ema"]
+
+_OPTIMIZER_INTERNALS = (
+    "_clip_gradients",
+    "_use_weight_decay",
+    "_overwrite_model_variables_with_average_value",
+    "_filter_empty_gradients",
+)
+
+
+def check_keras_internals(optimizer: keras.optimizers.Optimizer) -> None:
+    """Raises if this Keras lacks a private optimizer method the wrapper drives."""
+    missing = [name for name in _OPTIMIZER_INTERNALS if not hasattr(optimizer, name)]
+    if missing:
+        raise RuntimeError(
+            f"tf_adasum needs keras.optimizers.Optimizer.{', '.join(missing)}, which this Keras "
+            f"({keras.__version__}) does not have. Please report it with your Keras version."
+        )
+
+
+def tf_variable(variable):
+    """The `tf.Variable` behind a `keras.Variable` (or the variable itself)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def local_update(strategy, inner: keras.optimizers.Optimizer, grads, variables: Sequence) -> None:
+    """One inner step on every replica with its own `grads` (per-replica
+    values): clipping, weight decay, ``update_step``, ``iterations`` + 1."""
+    grads = strategy.extended.call_for_each_replica(lambda *g: inner._clip_gradients(list(g)), args=tuple(grads))
+    learning_rate = inner.learning_rate
+    if inner.weight_decay is not None:
+
+        def decay(variable):
+            if inner._use_weight_decay(variable):
+                lr = tf.cast(learning_rate, variable.dtype)
+                variable.assign_sub(variable * tf.cast(inner.weight_decay, variable.dtype) * lr)
+
+        for variable in variables:
+            strategy.extended.update(variable, decay, group=False)
+    for grad, variable in zip(grads, variables):
+        strategy.extended.update(
+            variable, lambda v, g: inner.update_step(g, v, learning_rate), args=(grad,), group=False
+        )
+    inner.iterations.assign_add(1)
+
+
+def apply_constraints(strategy, keras_variables: Sequence) -> None:
+    """Each variable's Keras constraint, applied after a combine."""
+    for keras_variable in keras_variables:
+        if keras_variable.constraint is not None:
+            strategy.extended.update(
+                tf_variable(keras_variable), lambda v, c=keras_variable.constraint: v.assign(c(v)), group=False
+            )
+
+
+def update_ema(optimizer: keras.optimizers.Optimizer, variables: Sequence, first: tf.Tensor) -> None:
+    """The EMA of `variables` (those the optimizer was built with), as Keras
+    updates it after each step; `first` (a bool tensor) copies the weights.
+    Every `ema_overwrite_frequency` iterations the weights take the averages."""
+    for variable, average in zip(variables, optimizer._model_variables_moving_average):
+        momentum = tf.where(first, tf.zeros([], variable.dtype), tf.cast(optimizer.ema_momentum, variable.dtype))
+        average.assign(momentum * average + (1 - momentum) * variable)
+    if optimizer.ema_overwrite_frequency:
+        overwrite = tf.equal(optimizer.iterations % optimizer.ema_overwrite_frequency, 0)
+
+        def do_overwrite():
+            optimizer._overwrite_model_variables_with_average_value(variables)
+            return tf.constant(True)
+
+        tf.cond(overwrite, do_overwrite, lambda: tf.constant(False))
