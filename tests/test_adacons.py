@@ -205,3 +205,62 @@ def test_config_round_trip_and_eval_grid():
     assert restored.combiner == combiners.AdaCons(momentum=0.99, restore_magnitude=True, per_tensor=True)
     configs = cli.build_grid(cli._parse_args(["--combiners", "adacons", "adasum", "mean"]))
     assert [c.combiner for c in configs] == ["adacons", "adasum", "mean"]
+
+
+@pytest.mark.parametrize("mode", ["gradient", "delta"])
+def test_one_replica_is_the_method_of_identical_replicas(mode):
+    """Going from 1 to 2 machines must not change the method: one replica gives
+    g/(|g| + eps) without restore_magnitude (the gradient-mode default) and the
+    inner step with it (the delta-mode default), as two identical replicas do."""
+    x, y = data(1)
+
+    def step(n):
+        strategy = mirrored(n)[0] if n > 1 else tf.distribute.get_strategy()
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+            initial = [w.numpy().astype(np.float64) for w in model.weights]
+            model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), "adacons", mode), loss="mse")
+        model.fit(np.concatenate([x] * n), np.concatenate([y] * n), batch_size=BATCH * n, shuffle=False, verbose=0)
+        return [w.numpy() - i for w, i in zip(model.weights, initial)], initial
+
+    one, initial = step(1)
+    two, _ = step(2)
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    grads = _local_grads(initial, x, y)
+    norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+    expected = [-0.1 * g / (norm + reference.ADACONS_EPS) if mode == "gradient" else -0.1 * g for g in grads]
+    for got, want in zip(one, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _local_grads(weights, x, y):
+    from simulation import _grads
+
+    return _grads(weights, x.astype(np.float64), y.astype(np.float64))
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_checkpoint_loads_at_another_replica_count(replicas, tmp_path):
+    """Saved at 2 replicas, an AdaCons model loads at 1 or 4: the weights and
+    the inner optimizer's state load, AdaCons' momentum restarts with a warning."""
+    x, y = data(2)
+    path = str(tmp_path / "adacons.keras")
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+        model.compile(
+            optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), "adacons"), loss="mse"
+        )
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    model.save(path)
+    strategy = mirrored(replicas)[0] if replicas > 1 else tf.distribute.get_strategy()
+    with strategy.scope(), pytest.warns(UserWarning, match="saved with 2 replicas and this run has"):
+        restored = keras.models.load_model(path)
+    for saved, loaded in zip(model.weights, restored.weights):
+        np.testing.assert_array_equal(saved.numpy(), loaded.numpy())
+    assert int(restored.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
+    assert int(restored.optimizer._adacons_state.steps.numpy()) == 0
+    restored.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)  # trains on from there
+    assert all(np.isfinite(w.numpy()).all() for w in restored.weights)
