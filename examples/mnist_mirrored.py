@@ -3,8 +3,12 @@
     python examples/mnist_mirrored.py --replicas 4 --epochs 6
 
 Each replica takes local Adam steps on its shard of the batch; the AdasumOptimizer
-combines the replicas' updates with Adasum; AdasumDiagnostics records per-layer
-diagnostics (JSONL and a PNG summary in --out). Prints one JSON summary line.
+combines the replicas' updates with Adasum. AdasumDiagnostics adds the model's
+orthogonality (|combined|^2 / sum_i |delta_i|^2 over all weights) to the progress
+line, and writes every per-tensor statistic to diagnostics.jsonl and a summary to
+diagnostics.png in --out: the model's orthogonality over steps, a heat map of each
+tensor's, and one heat map per tree level of the Adasum coefficients. Prints one
+JSON summary line.
 """
 
 import argparse
@@ -81,6 +85,7 @@ def main(argv=None):
         train,
         epochs=args.epochs,
         steps_per_epoch=steps_per_epoch,
+        shuffle=False,  # the stream is shuffled already
         verbose=2,
         callbacks=[EpochTimer(), TestAccuracy(), diagnostics],
     )

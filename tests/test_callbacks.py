@@ -10,7 +10,7 @@ from conftest import mirrored
 from simulation import BATCH, IN, OUT, _grads, data
 
 import tf_adasum
-from tf_adasum import reference
+from tf_adasum import callbacks, reference
 
 
 def _tree_levels(values):
@@ -38,6 +38,7 @@ def _expected(deltas):
         "delta_norm_max": max(norms),
         "combined_norm": np.linalg.norm(combined),
         "orthogonality": np.sum(combined**2) / np.sum([n**2 for n in norms]),
+        "delta_sq_sum": np.sum([n**2 for n in norms]),
     }
     for k, pairs in enumerate(_tree_levels(deltas)):
         quantities = {"cos": [], "coef_a": [], "coef_b": []}
@@ -69,35 +70,64 @@ def _train(n, callback, steps=2, lr=0.1):
 @pytest.mark.parametrize("n", [4, 3])
 def test_values_equal_numpy_on_the_same_deltas(n, tmp_path):
     callback = tf_adasum.AdasumDiagnostics(every_n_steps=1)
-    model, initial, x, y, _ = _train(n, callback, lr=0.1)
+    model, initial, x, y, history = _train(n, callback, lr=0.1)
     step, record = callback.records[0]
     assert step == 0
     b = BATCH // n
     local_grads = [_grads(initial, x[r * b : (r + 1) * b], y[r * b : (r + 1) * b]) for r in range(n)]
+    combined_sq = deltas_sq = 0.0
     for t, variable in enumerate(model.trainable_variables):
-        expected = _expected([-0.1 * g[t] for g in local_grads])
+        deltas = [-0.1 * g[t] for g in local_grads]
+        expected = _expected(deltas)
         got = record[variable.path]
-        assert set(got) == set(expected)
+        assert set(expected) <= set(got) <= set(expected) | {"delta_sq_sum"}
         for key, value in expected.items():
             np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=f"{variable.path} {key}")
+        combined_sq += expected["combined_norm"] ** 2
+        deltas_sq += sum(np.sum(d**2) for d in deltas)
+    # The model-level orthogonality: squared norms summed over tensors, then divided.
+    np.testing.assert_allclose(callbacks.model_orthogonality(record, n), combined_sq / deltas_sq, rtol=1e-5)
+    assert history.history["adasum/orthogonality"][-1] == callbacks.model_orthogonality(callback.records[-1][1], n)
+
+
+def test_model_orthogonality_weights_by_squared_norms():
+    big = {"combined_norm": 3.0, "orthogonality": 1.0, "delta_norm_mean": 3.0}  # sum_i |delta_i|^2 = 9
+    small = {"combined_norm": 0.1, "orthogonality": 0.25, "delta_norm_mean": 0.1}  # 0.04
+    assert callbacks.model_orthogonality({"a": big, "b": small}, 4) == pytest.approx((9 + 0.01) / (9 + 0.04))
+    with_column = {"a": {**big, "delta_sq_sum": 18.0}, "b": {**small, "delta_sq_sum": 0.04}}
+    assert callbacks.model_orthogonality(with_column, 4) == pytest.approx((9 + 0.01) / (18 + 0.04))
+    still = {"combined_norm": 0.0, "orthogonality": 1.0, "delta_norm_mean": 0.0, "delta_sq_sum": 0.0}
+    assert callbacks.model_orthogonality({"a": still}, 4) == 1.0
 
 
 def test_outputs(tmp_path):
     callback = tf_adasum.AdasumDiagnostics(
         every_n_steps=2,
         log_dir=str(tmp_path / "tb"),
-        jsonl_path=str(tmp_path / "diag.jsonl"),
-        png_path=str(tmp_path / "diag.png"),
+        jsonl_path=str(tmp_path / "new" / "diag.jsonl"),
+        png_path=tmp_path / "diag.png",
     )
     model, _, _, _, history = _train(2, callback, steps=5)
     assert [step for step, _ in callback.records] == [0, 2, 4]
-    lines = [json.loads(line) for line in open(tmp_path / "diag.jsonl", encoding="utf-8")]
+    lines = [json.loads(line) for line in open(tmp_path / "new" / "diag.jsonl", encoding="utf-8")]
     assert [line["step"] for line in lines] == [0, 2, 4]
-    key = f"adasum/{model.trainable_variables[0].path}/orthogonality"
-    assert key in history.history and 0.5 - 1e-9 <= history.history[key][-1] <= 1.0 + 1e-9
-    assert not any(k.endswith("combined_norm") for k in history.history)  # only `logged` statistics
+    assert lines[-1]["model"]["orthogonality"] == history.history["adasum/orthogonality"][-1]
+    assert 0.5 - 1e-9 <= history.history["adasum/orthogonality"][-1] <= 1.0 + 1e-9
+    # By default the logs (so the progress line) carry the model-level value only.
+    assert [k for k in history.history if k.startswith("adasum/")] == ["adasum/orthogonality"]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
     assert os.path.getsize(tmp_path / "diag.png") > 1000
+
+
+def test_logged_per_tensor_statistics():
+    logged = ("combined_norm", "level0/cos_max")
+    callback = tf_adasum.AdasumDiagnostics(every_n_steps=1, logged=logged)
+    model, _, _, _, history = _train(2, callback, steps=1)
+    expected = set(logged)
+    for variable in model.trainable_variables:
+        prefix = f"adasum/{variable.path}/"
+        assert {k[len(prefix) :] for k in history.history if k.startswith(prefix)} == expected
+    assert "adasum/orthogonality" in history.history
 
 
 def test_not_attached_means_not_computed():
@@ -130,6 +160,44 @@ def test_arguments_and_missing_viz(monkeypatch):
         tf_adasum.AdasumDiagnostics(log_dir="/tmp/x")
     with pytest.raises(ImportError, match="matplotlib"):
         tf_adasum.AdasumDiagnostics(png_path="/tmp/x.png")
+
+
+def test_paths_are_checked_at_construction(tmp_path, monkeypatch):
+    regular_file = tmp_path / "a_file"
+    regular_file.write_text("")
+    for name in ("jsonl_path", "png_path"):
+        with pytest.raises(ValueError, match=rf"`{name}` names a folder.*Received: {name}="):
+            tf_adasum.AdasumDiagnostics(**{name: str(tmp_path)})
+        with pytest.raises(ValueError, match=rf"`{name}` is under .*a_file, which is a file.*Received: {name}="):
+            tf_adasum.AdasumDiagnostics(**{name: str(regular_file / "sub" / "out.x")})
+        with pytest.raises(TypeError, match=rf"Received: {name}=3"):
+            tf_adasum.AdasumDiagnostics(**{name: 3})
+    with pytest.raises(ValueError, match=r"`log_dir` names a file.*Received: log_dir="):
+        tf_adasum.AdasumDiagnostics(log_dir=str(regular_file))
+    with pytest.raises(ValueError, match=r"`log_dir` is under .*a_file"):
+        tf_adasum.AdasumDiagnostics(log_dir=str(regular_file / "tb"))
+    # An unwritable folder (root may write anywhere, so the permission check is simulated).
+    monkeypatch.setattr(callbacks.os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match=r"`jsonl_path` cannot be created: this user cannot write to"):
+        tf_adasum.AdasumDiagnostics(jsonl_path=str(tmp_path / "new" / "d.jsonl"))
+    with pytest.raises(ValueError, match=r"`log_dir` cannot be written by this user"):
+        tf_adasum.AdasumDiagnostics(log_dir=str(tmp_path))
+
+
+def test_logged_names_are_checked():
+    with pytest.raises(ValueError, match=r"unknown statistic 'nonexistent'.*orthogonality.*cos_min.*Received: logged="):
+        tf_adasum.AdasumDiagnostics(logged=["nonexistent"])
+    with pytest.raises(ValueError, match="unknown statistic 'level0/norm'"):
+        tf_adasum.AdasumDiagnostics(logged=["level0/norm"])
+    with pytest.raises(TypeError, match="Received: logged='orthogonality'"):
+        tf_adasum.AdasumDiagnostics(logged="orthogonality")
+    assert tf_adasum.AdasumDiagnostics(logged=["orthogonality", "level1/coef_a_max"]).logged == (
+        "orthogonality",
+        "level1/coef_a_max",
+    )
+    # A level this run does not have (2 replicas: level 0 only): an error when training begins.
+    with pytest.raises(ValueError, match=r"does not record: level1/cos_min .*Received: logged="):
+        _train(2, tf_adasum.AdasumDiagnostics(logged=["level1/cos_min"]), steps=1)
 
 
 def test_needs_an_adasum_optimizer():

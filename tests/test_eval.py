@@ -6,11 +6,13 @@ import gzip
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tf_adasum.eval import cli, data, metrics
+from tf_adasum.eval import cli, data, metrics, plots, quiet
 from tf_adasum.eval.runner import RunConfig
 
 # -- metrics on synthetic accuracy curves ------------------------------------------------
@@ -95,6 +97,7 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
         "--combiners", "adasum", "keras", "--replicas", "2", "--batch-per-replica", "16", "--epochs", "1",
         "--train-examples", "320", "--test-examples", "200", "--target", "0.5", "--out", str(tmp_path),
     ]  # fmt: skip
+    (tmp_path / "results.jsonl").write_text('{"from": "an earlier run"}\n')  # replaced by the first new record
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
@@ -191,3 +194,150 @@ def test_timing_models(tmp_path, capsys):
         assert record["params"] > 1_000_000
     assert "comm.share" in capsys.readouterr().out
     assert not (tmp_path / "results.jsonl").exists()  # only timing was asked for
+
+
+# -- inputs are checked before anything is written -------------------------------------------
+
+_EARLIER = '{"kept": true}\n'
+
+
+def _bad_inputs(tmp_path):
+    """(argv, expected message) pairs; each run's --out holds an earlier results.jsonl."""
+    out = tmp_path / "out"
+    regular_file = tmp_path / "a_file"
+    regular_file.write_text("not a folder")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    _write_idx_folder(broken, np.random.default_rng(0), 4, 4)
+    _write_idx(broken / "t10k-labels-idx1-ubyte.gz", np.zeros(3))  # 4 test images, 3 labels
+    short = ["--combiners", "adasum", "--replicas", "2", "--epochs", "1"]
+    return [
+        (
+            [*short, "--data-dir", str(tmp_path / "nowhere"), "--out", str(out)],
+            r"--data-dir .*nowhere.* is not a folder",
+        ),
+        ([*short, "--data-dir", str(broken), "--out", str(out)], r"--data-dir .*holds labels of shape \[3\]"),
+        ([*short, "--out", str(regular_file)], r"--out must be a folder, but names a file"),
+        ([*short, "--out", str(regular_file / "sub")], r"--out is under .*a_file, which is a file"),
+        ([*short, "--resume", "--out", str(out)], r"--resume: line 1 of .*results.jsonl is not a result record"),
+        (["--models", "bert", "lenet5", "--datasets", "cifar10", "--out", str(out)], r"Received: dataset='cifar10'"),
+        (["--models", "bert", "--timing-steps", "0", "--out", str(out)], r"Received: timing_steps=0"),
+    ]
+
+
+def test_inputs_are_checked_before_any_output(tmp_path, capsys):
+    for argv, message in _bad_inputs(tmp_path):
+        (tmp_path / "out").mkdir(exist_ok=True)
+        (tmp_path / "out" / "results.jsonl").write_text(_EARLIER)
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert re.fullmatch(rf"tf-adasum eval: error: .*{message}.*\n", err), err
+        assert os.listdir(tmp_path / "out") == ["results.jsonl"], argv  # nothing written, nothing removed
+        assert (tmp_path / "out" / "results.jsonl").read_text() == _EARLIER
+        assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+# -- pictures --------------------------------------------------------------------------------
+
+
+def _record(combiner, replicas, batch, local_steps, accuracy, target=0.9):
+    reached = next((e for e, a in enumerate(accuracy, start=1) if a >= target), -1)
+    return {
+        **RunConfig(combiner=combiner, replicas=replicas, batch_per_replica=batch, local_steps=local_steps,
+                    target=target, epochs=4).__dict__,
+        "effective_batch": replicas * batch * local_steps, "accuracy_per_epoch": accuracy,
+        "epochs_until_convergence": reached, "minutes_per_epoch": 0.1, "score": reached * 0.1 if reached > 0 else None,
+        "final_acc": accuracy[-1], "best_acc": max(accuracy),
+    }  # fmt: skip
+
+
+def test_plots_of_a_grid(tmp_path):
+    """Every series (combiner, K) keeps one colour and marker; K changes the
+    line style and fill; runs that missed the target are open markers."""
+    records = [
+        _record(combiner, replicas, batch, k, [0.5, 0.8, 0.95] if combiner == "adasum" else [0.5, 0.7, 0.8, 0.85])
+        for combiner in ("adasum", "mean", "keras")
+        for replicas in (2, 4)
+        for batch in (32, 128)
+        for k in (1, 4)
+        if not (combiner == "keras" and k > 1)
+    ]
+    paths = plots.plot(records, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["accuracy.png", "scaling.png"]
+    assert all(os.path.getsize(p) > 10_000 for p in paths)
+    style = plots._Style(records)
+    looks = {s: (style(s)["color"], style(s)["marker"], style(s)["linestyle"], style(s)["fillstyle"])
+             for s in plots._series(records)}  # fmt: skip
+    assert len(set(looks.values())) == len(looks) == 5
+    assert style(("mean", 1), reached=False)["fillstyle"] == "none"
+
+
+# -- quiet output ---------------------------------------------------------------------------
+
+#: What TensorFlow and Keras wrote into `tf-adasum eval`'s output before it was quiet.
+NOISE = (
+    "oneDNN custom operations",
+    "cpu_feature_guard",
+    "All log messages before absl::InitializeLog()",
+    "GeneratorDatasetOp",
+    "will be ignored",  # Keras: `shuffle=True` was passed, but will be ignored ...
+)
+
+
+def test_stderr_filter_keeps_everything_else(capfd):
+    lines = [
+        b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        b"I0000 00:00:1796062053.364874    6223 port.cc:153] oneDNN custom operations are on. You may see ...\n",
+        b"I0000 00:00:1796061958.373276    5299 cpu_feature_guard.cc:227] This TensorFlow binary is optimized ...\n",
+        b"To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow ...\n",
+        b"E0000 00:00:1796063004.854892   30247 ring_alg.cc:291] Aborting RingReduce with UNAVAILABLE\n",
+        b"Traceback (most recent call last):\n",
+        b"W1130 18:02:11.123456   42 dataset.cc:997] Input of GeneratorDatasetOp::Dataset will not be optimized\n",
+    ]
+    with quiet.stderr_filtered():
+        for line in lines:
+            os.write(2, line)
+    assert capfd.readouterr().err == lines[4].decode() + lines[5].decode()
+
+
+def _tf_adasum(*argv, **env):
+    """`tf-adasum` as a user starts it: without the test session's TF_CPP_MIN_LOG_LEVEL."""
+    script = os.path.join(os.path.dirname(sys.executable), "tf-adasum")
+    environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.Popen(
+        [sys.executable, script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**environment, **env},
+    )  # fmt: skip
+
+
+def test_help_and_argument_errors_load_no_tensorflow():
+    for argv, code in ((["--help"], 0), (["eval", "--help"], 0), (["eval", "--replicas", "0"], 2)):
+        process = _tf_adasum(*argv, PYTHONPROFILEIMPORTTIME="1")
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == code, stderr
+        assert "usage: tf-adasum" in stdout if code == 0 else "Received: replicas=0" in stderr
+        imported = {line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+        assert imported and not imported & {"tensorflow", "keras"}, argv
+
+
+def test_default_output_is_quiet_and_verbose_keeps_the_logs(tmp_path):
+    """A tiny `tf-adasum eval`: progress, table and paths only, unless --verbose.
+    TF_ENABLE_ONEDNN_OPTS=1 makes TensorFlow print its oneDNN line on any CPU."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _write_idx_folder(folder, np.random.default_rng(2), 64, 32)
+    argv = ["eval", "--combiners", "adasum", "--replicas", "2", "--batch-per-replica", "16", "--epochs", "1",
+            "--data-dir", str(folder)]  # fmt: skip
+    runs = {  # both at once
+        verbose: _tf_adasum(
+            *argv, "--out", str(tmp_path / f"out{int(verbose)}"), *["--verbose"] * verbose, TF_ENABLE_ONEDNN_OPTS="1"
+        )  # fmt: skip
+        for verbose in (False, True)
+    }
+    outputs = {verbose: "".join(process.communicate(timeout=300)) for verbose, process in runs.items()}
+    for verbose, process in runs.items():
+        assert process.returncode == 0, outputs[verbose]
+    quiet_output = outputs[False]
+    assert "epoch 1/1 acc" in quiet_output and "eff.batch" in quiet_output and "wrote " in quiet_output
+    assert [noise for noise in NOISE if noise in quiet_output] == [], quiet_output
+    assert all(noise in outputs[True] for noise in NOISE[:1] + NOISE[2:4]), outputs[True]

@@ -50,16 +50,6 @@ def _check_keras_backend() -> None:
         refuse(keras.backend.backend())
 
 
-_check_keras_backend()
-
-from tf_adasum import combiners, compat, mpi, reference  # noqa: E402
-from tf_adasum.callbacks import AdasumDiagnostics  # noqa: E402
-from tf_adasum.cross_device_ops import AdasumCrossDeviceOps  # noqa: E402
-from tf_adasum.ops import adasum_pair  # noqa: E402
-from tf_adasum.optimizer import AdasumOptimizer  # noqa: E402
-
-compat.patch_keras_multiworker_fit()  # keras-team/keras#20585, multi-worker strategies only
-
 __all__ = [
     "AdasumCrossDeviceOps",
     "AdasumDiagnostics",
@@ -70,3 +60,45 @@ __all__ = [
     "mpi",
     "reference",
 ]
+
+
+def _load() -> None:
+    """Imports the public API, and so TensorFlow, into this module."""
+    global _loading, AdasumCrossDeviceOps, AdasumDiagnostics, AdasumOptimizer, adasum_pair, combiners, mpi, reference
+    _loading = True
+    _check_keras_backend()
+    import tf_adasum.combiners as combiners
+    import tf_adasum.compat as compat
+    import tf_adasum.mpi as mpi
+    import tf_adasum.reference as reference
+    from tf_adasum.callbacks import AdasumDiagnostics
+    from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
+    from tf_adasum.ops import adasum_pair
+    from tf_adasum.optimizer import AdasumOptimizer
+
+    compat.patch_keras_multiworker_fit()  # keras-team/keras#20585, multi-worker strategies only
+
+
+def _started_as_the_command_line() -> bool:
+    """Whether this process is the `tf-adasum` console script. It checks its
+    arguments before it needs TensorFlow (so `--help` and argument errors answer
+    at once), then loads TensorFlow quietly (`tf_adasum.eval.quiet`); in it the
+    public API loads on first use instead of at import."""
+    import os
+    import sys
+
+    argv = getattr(sys, "argv", None) or [""]
+    return os.path.basename(argv[0]) in ("tf-adasum", "tf-adasum.exe")
+
+
+_loading = False
+if _started_as_the_command_line():
+
+    def __getattr__(name: str):
+        if name in __all__ and not _loading:
+            _load()
+            return globals()[name]
+        raise AttributeError(f"module 'tf_adasum' has no attribute {name!r}")
+
+else:
+    _load()

@@ -4,6 +4,11 @@ Trains each configuration of a grid to a target test accuracy and reports, per
 run, epochs to target, minutes per epoch (median) and their product, the score.
 Writes ``results.jsonl`` and ``results.csv`` (one record per run), ``accuracy.png``
 and ``scaling.png`` to ``--out``, and prints a table.
+
+Every input (the grid, the data, ``--out``, ``--resume``'s results) is checked
+before anything is written and before TensorFlow is loaded: a wrong one is one
+line on stderr and exit status 2. TensorFlow's log lines are hidden unless
+``--verbose`` (`tf_adasum.eval.quiet`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import json
 import os
 import sys
 
-from tf_adasum.eval import metrics
-from tf_adasum.eval.models import TIMING_MODELS
-from tf_adasum.eval.runner import COMBINERS, ENGINES, RunConfig
+from tf_adasum.eval import metrics, quiet
+from tf_adasum.eval.config import COMBINERS, ENGINES, TIMING_MODELS, RunConfig
+from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
 __all__ = ["PRESETS", "main"]
 
@@ -82,6 +87,7 @@ def _parse_args(argv):
     parser.add_argument("--out", default="results/eval", help="output folder")
     parser.add_argument("--resume", action="store_true", help="skip configurations already in the results")
     parser.add_argument("--no-stop", action="store_true", help="train the whole budget even after the target")
+    parser.add_argument("--verbose", action="store_true", help="show TensorFlow's log lines and warnings")
     return parser.parse_args(argv)
 
 
@@ -127,13 +133,6 @@ def build_grid(args) -> list[RunConfig]:
 
 def _config_of(record: dict) -> RunConfig:
     return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig)})
-
-
-def load_results(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 CSV_FIELDS = [
@@ -185,63 +184,6 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _label(record: dict) -> str:
-    return f"{record['combiner']} N={record['replicas']} b={record['batch_per_replica']} K={record['local_steps']}"
-
-
-def plot(records: list[dict], out: str) -> list[str]:
-    """accuracy.png (test accuracy per epoch) and scaling.png (against effective batch)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    paths = [os.path.join(out, "accuracy.png"), os.path.join(out, "scaling.png")]
-    fig, axis = plt.subplots(figsize=(7, 4.5))
-    for record in records:
-        epochs = range(1, len(record["accuracy_per_epoch"]) + 1)
-        axis.plot(epochs, record["accuracy_per_epoch"], marker="o", label=_label(record))
-    for target in sorted({r["target"] for r in records}):
-        axis.axhline(target, color="gray", lw=0.7, ls="--")
-    axis.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy per epoch")
-    axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    series = dict.fromkeys((r["combiner"], r["local_steps"]) for r in records)
-    batches = sorted({r["effective_batch"] for r in records})
-    for (combiner, local_steps), color in zip(series, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
-        runs = sorted(
-            (r for r in records if (r["combiner"], r["local_steps"]) == (combiner, local_steps)),
-            key=lambda r: r["effective_batch"],
-        )
-        label = f"{combiner} K={local_steps}"
-        reached = [r for r in runs if r["score"] is not None]
-        missed = [r for r in runs if r["score"] is None]
-        axes[0].plot([r["effective_batch"] for r in reached], [r["epochs_until_convergence"] for r in reached],
-                     marker="o", color=color, label=label)  # fmt: skip
-        axes[1].plot([r["effective_batch"] for r in reached], [r["score"] for r in reached], marker="o", color=color,
-                     label=label)  # fmt: skip
-        if missed:  # drawn one epoch above the budget
-            note = f"{label}: not reached within {missed[0]['epochs']} epochs"
-            axes[0].scatter([r["effective_batch"] for r in missed], [r["epochs"] + 1 for r in missed], marker="x",
-                            s=60, color=color, label=note)  # fmt: skip
-    for axis, ylabel, title in zip(
-        axes, ("epochs to target", "minutes"), ("Epochs to target", "Minutes to target (score)")
-    ):
-        axis.set(xlabel="effective batch", ylabel=ylabel, title=title)
-        if len(batches) > 1:
-            axis.set_xscale("log", base=2)
-        axis.set_xticks(batches, [str(b) for b in batches])
-        axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
-
-
 class _Progress:
     def __init__(self, index: int, total: int, config: RunConfig):
         settings = f"N={config.replicas} b={config.batch_per_replica} K={config.local_steps}"
@@ -277,25 +219,72 @@ def _logical_cpus(count: int) -> list[str]:
     return devices
 
 
-def _run_timing(args, models: list[str]) -> None:
-    """Time per step and communication share of `models` (see `tf_adasum.eval.timing`)."""
-    combiners = args.combiners or ["keras", "adasum"]
-    replicas = args.replicas or [4]
-    batches = args.batch_per_replica or [8]
-    for combiner in combiners:
+RESULT_FILES = ("results.jsonl", "results.csv", "accuracy.png", "scaling.png")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a checked command line asks for."""
+
+    timing_models: list[str]
+    timing: dict  # combiners, replicas, batch_per_replica (lists)
+    configs: list[RunConfig]
+    previous: list[dict]  # records already in results.jsonl (--resume)
+
+
+def _timing_settings(args) -> dict:
+    settings = {
+        "combiners": args.combiners or ["keras", "adasum"],
+        "replicas": args.replicas or [4],
+        "batch_per_replica": args.batch_per_replica or [8],
+    }
+    for combiner in settings["combiners"]:
         if combiner not in COMBINERS:
-            raise ValueError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={combiner!r}")
-    for name, values in (("replicas", replicas), ("batch_per_replica", batches)):
-        if any(v < 1 for v in values):
-            raise ValueError(f"`{name}` must be >= 1. Received: {name}={values}")
-    devices = _logical_cpus(max(replicas))
+            raise InputError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={combiner!r}")
+    for name in ("replicas", "batch_per_replica"):
+        if any(v < 1 for v in settings[name]):
+            raise InputError(f"`{name}` must be >= 1. Received: {name}={settings[name]}")
+    if args.timing_steps < 1:
+        raise InputError(f"`timing_steps` must be >= 1. Received: timing_steps={args.timing_steps}")
+    if args.engine != "local-devices":
+        raise InputError(
+            f"The timing models ({', '.join(TIMING_MODELS)}) run on local devices only. "
+            f"Received: engine={args.engine!r}"
+        )
+    return settings
+
+
+def check_inputs(args) -> _Plan:
+    """Checks every input, writing nothing; raises `InputError` (one line)."""
+    timing_models = [m for m in args.models or [] if m in TIMING_MODELS]
+    timing = _timing_settings(args) if timing_models else {}
+    configs: list[RunConfig] = []
+    if not timing_models or len(timing_models) < len(args.models):
+        grid_args = argparse.Namespace(**vars(args))
+        grid_args.models = [m for m in args.models or [] if m not in TIMING_MODELS] or None
+        try:
+            configs = build_grid(grid_args)
+        except (ValueError, NotImplementedError) as error:
+            raise InputError(str(error)) from None
+        check_data(configs, args.data_dir)
+    check_output_folder(args.out, RESULT_FILES if configs else ("timing.jsonl",))
+    previous = read_results(os.path.join(args.out, "results.jsonl")) if configs and args.resume else []
+    return _Plan(timing_models, timing, configs, previous)
+
+
+def _run_timing(args, plan: _Plan) -> None:
+    """Time per step and communication share of the timing models (see `tf_adasum.eval.timing`)."""
+    devices = _logical_cpus(max(plan.timing["replicas"]))
     from tf_adasum.eval.timing import time_model
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "timing.jsonl")
     columns = ("model", "combiner", "N", "batch", "params", "s/step", "combine s", "comm.share")
     print(" ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 8, 2, 5, 10, 7, 9, 10))))
-    for name, combiner, n, batch in itertools.product(models, combiners, replicas, batches):
+    grid = itertools.product(
+        plan.timing_models, plan.timing["combiners"], plan.timing["replicas"], plan.timing["batch_per_replica"]
+    )
+    for name, combiner, n, batch in grid:
         record = time_model(name, combiner, n, batch, devices, steps=args.timing_steps)
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -307,41 +296,25 @@ def _run_timing(args, models: list[str]) -> None:
     print(f"wrote {path}")
 
 
-def main(argv=None) -> int:
-    args = _parse_args(argv)
-    timing_models = [m for m in args.models or [] if m in TIMING_MODELS]
-    if timing_models:
-        try:
-            _run_timing(args, timing_models)
-        except ValueError as error:
-            print(f"tf-adasum eval: {error}", file=sys.stderr)
-            return 2
-        args.models = [m for m in args.models if m not in TIMING_MODELS]
-        if not args.models:
-            return 0
-    try:
-        configs = build_grid(args)
-    except (ValueError, NotImplementedError) as error:
-        print(f"tf-adasum eval: {error}", file=sys.stderr)
-        return 2
-    os.makedirs(args.out, exist_ok=True)
+def _run_grid(args, plan: _Plan) -> None:
     results_path = os.path.join(args.out, "results.jsonl")
-    previous = load_results(results_path) if args.resume else []
-    if not args.resume and os.path.exists(results_path):
-        os.remove(results_path)
-    done = {_config_of(record).key() for record in previous}
-    todo = [config for config in configs if config.key() not in done]
+    done = {_config_of(record).key() for record in plan.previous}
+    todo = [config for config in plan.configs if config.key() not in done]
     print(
-        f"tf-adasum eval: {len(configs)} configurations, {len(configs) - len(todo)} already done; results in {args.out}"
+        f"tf-adasum eval: {len(plan.configs)} configurations, {len(plan.configs) - len(todo)} already done; "
+        f"results in {args.out}",
+        flush=True,
     )
-
-    local = [c for c in configs if c.engine == "local-devices"]
+    local = [c for c in plan.configs if c.engine == "local-devices"]
     devices = _logical_cpus(max(c.replicas for c in local)) if local else []
     from tf_adasum.eval.data import load_dataset
+    from tf_adasum.eval.plots import plot
     from tf_adasum.eval.runner import run
 
+    os.makedirs(args.out, exist_ok=True)
     datasets = {}
-    records = list(previous)
+    records = list(plan.previous)
+    mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
         if config.engine == "local-devices" and config.dataset not in datasets:
             datasets[config.dataset] = load_dataset(config.dataset, args.data_dir)
@@ -353,16 +326,33 @@ def main(argv=None) -> int:
             stop_at_target=not args.no_stop,
             progress=progress,
             data_dir=args.data_dir,
+            verbose=args.verbose,
         )
         progress.close()
         records.append(record)
-        with open(results_path, "a", encoding="utf-8") as f:
+        with open(results_path, mode, encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-    selected = [r for r in records if _config_of(r).key() in {c.key() for c in configs}]
+        mode = "a"
+    wanted = {c.key() for c in plan.configs}
+    selected = [r for r in records if _config_of(r).key() in wanted]
     write_csv(selected, os.path.join(args.out, "results.csv"))
     print()
     print(format_table(selected))
     print()
     for path in [results_path, os.path.join(args.out, "results.csv"), *plot(selected, args.out)]:
         print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    try:
+        plan = check_inputs(args)
+    except InputError as error:
+        print(f"tf-adasum eval: error: {error}", file=sys.stderr)
+        return 2
+    quiet.import_tensorflow(verbose=args.verbose)
+    if plan.timing_models:
+        _run_timing(args, plan)
+    if plan.configs:
+        _run_grid(args, plan)
     return 0

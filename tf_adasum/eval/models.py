@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import keras
 
-__all__ = ["TIMING_MODELS", "TRAINING_MODELS", "build"]
+from tf_adasum.eval.config import TIMING_MODELS, TRAINING_MODELS
 
-TRAINING_MODELS = ("lenet5", "resnet")
-TIMING_MODELS = ("resnet50", "bert")
+__all__ = ["TIMING_MODELS", "TRAINING_MODELS", "build"]
 
 
 def lenet5(input_shape=(28, 28, 1), classes=10) -> keras.Model:

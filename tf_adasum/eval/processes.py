@@ -7,7 +7,9 @@ each loads the dataset, trains on its shard of the training set (every process
 runs the same number of steps per epoch), evaluates its shard of the test set,
 and sums the counts over the processes, so every process takes the same
 stop-at-target decision. Process 0 prints one ``PROGRESS epoch accuracy
-seconds`` line per epoch and writes the result record.
+seconds`` line per epoch and writes the result record. The processes' other
+output is shown only with ``verbose``, or when a run fails, as its last lines
+(without TensorFlow's INFO and WARNING log lines unless ``verbose``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,13 +27,19 @@ from collections.abc import Callable
 __all__ = ["run_in_processes"]
 
 _PROGRESS = "PROGRESS "
+_WORKER_PREFIX = re.compile(r"^\[worker \d+\] ")  # tf_adasum.launch's, before each worker's line
 
 
 def run_in_processes(
-    config, stop_at_target: bool, progress: Callable[[int, float, float], None] | None, data_dir: str | None
+    config,
+    stop_at_target: bool,
+    progress: Callable[[int, float, float], None] | None,
+    data_dir: str | None,
+    verbose: bool = False,
 ) -> dict:
     """Runs `config` (engine ``tf-collective`` or ``mpi``) and returns its record."""
     from tf_adasum.comm.mpi import mpirun_command
+    from tf_adasum.eval.quiet import QUIET_ENVIRONMENT, is_startup_noise
 
     n = config.replicas
     with tempfile.TemporaryDirectory(prefix="tf_adasum_eval_") as folder:
@@ -44,13 +53,19 @@ def run_in_processes(
             command, prefix = mpirun_command(n) + [sys.executable, *program], ""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("TF_CONFIG", None)
+        if not verbose:
+            env = {**QUIET_ENVIRONMENT, **env}
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: list[str] = []
         for line in process.stdout:
-            tail = (tail + [line])[-60:]
-            if line.startswith(prefix + _PROGRESS) and progress is not None:
-                epoch, accuracy, seconds = line[len(prefix + _PROGRESS) :].split()
-                progress(int(epoch), float(accuracy), float(seconds))
+            if line.startswith(prefix + _PROGRESS):
+                if progress is not None:
+                    epoch, accuracy, seconds = line[len(prefix + _PROGRESS) :].split()
+                    progress(int(epoch), float(accuracy), float(seconds))
+            elif verbose:
+                print(line, end="", flush=True)
+            elif not is_startup_noise(_WORKER_PREFIX.sub("", line).encode()):
+                tail = (tail + [line])[-60:]
         if process.wait() != 0 or not os.path.exists(result_path):
             raise RuntimeError(
                 f"The {config.engine} run with {n} processes failed (exit code {process.returncode}); "
@@ -85,7 +100,7 @@ class _Processes:
 
     def sum(self, values: list[float]) -> list[float]:
         if self.strategy is not None:
-            from tf_adasum.cross_device_ops import sum_over_workers
+            from tf_adasum.engines.tf import sum_over_workers
 
             return sum_over_workers(self.strategy, values)
         from tf_adasum import mpi
@@ -101,7 +116,6 @@ def _main(argv=None) -> None:
     parser.add_argument("--data-dir")
     parser.add_argument("--no-stop", action="store_true")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     import keras
     import numpy as np
@@ -141,7 +155,9 @@ def _main(argv=None) -> None:
     epoch_end = runner.EpochEnd(
         measure_accuracy, None if args.no_stop else config.target, report if rank == 0 else None
     )
-    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[epoch_end])
+    model.fit(
+        train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=[epoch_end]
+    )
     processes.sum([0.0])  # no process leaves while another still trains
     if rank == 0:
         with open(args.result_path, "w", encoding="utf-8") as f:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 import keras
 
 from tf_adasum.eval import metrics
-from tf_adasum.eval.data import DATASETS
-from tf_adasum.eval.models import TRAINING_MODELS
+from tf_adasum.eval.config import COMBINERS, ENGINES, RunConfig
 
 __all__ = [
     "COMBINERS",
@@ -33,71 +32,7 @@ __all__ = [
     "record",
     "run",
     "subset",
-]
-
-COMBINERS = ("adasum", "adacons", "mean", "sum", "keras")
-ENGINES = ("local-devices", "tf-collective", "mpi")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One configuration of the grid; `validate` checks it."""
-
-    model: str = "lenet5"
-    dataset: str = "mnist"
-    combiner: str = "adasum"
-    engine: str = "local-devices"
-    replicas: int = 4
-    batch_per_replica: int = 32
-    local_steps: int = 1
-    lr: float = 1e-3
-    target: float = 0.98
-    epochs: int = 10
-    seed: int = 0
-    train_examples: int = 0  # 0: the whole training set
-    test_examples: int = 0  # 0: the whole test set
-
-    @property
-    def effective_batch(self) -> int:
-        return self.replicas * self.batch_per_replica * self.local_steps
-
-    def key(self) -> tuple:
-        """What identifies a finished run for `--resume`."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
-    def validate(self) -> RunConfig:
-        if self.model not in TRAINING_MODELS:
-            raise ValueError(f"Unknown `model`. Expected one of {TRAINING_MODELS}. Received: model={self.model!r}")
-        if self.dataset not in DATASETS:
-            raise ValueError(f"Unknown `dataset`. Expected one of {DATASETS}. Received: dataset={self.dataset!r}")
-        if self.combiner not in COMBINERS:
-            raise ValueError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={self.combiner!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"Unknown `engine`. Expected one of {ENGINES}. Received: engine={self.engine!r}")
-        if self.engine == "mpi" and self.combiner == "keras":
-            raise ValueError(
-                "The `keras` baseline has no MPI path: without a strategy Keras does not all-reduce gradients "
-                "across MPI ranks. Use engine='tf-collective' or 'local-devices'. Received: combiner='keras', "
-                "engine='mpi'"
-            )
-        for name in ("replicas", "batch_per_replica", "local_steps", "epochs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
-        for name in ("train_examples", "test_examples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be an int >= 0 (0: all). Received: {name}={value!r}")
-        if not 0.0 < self.target <= 1.0:
-            raise ValueError(f"`target` must be in (0, 1]. Received: target={self.target}")
-        if not self.lr > 0:
-            raise ValueError(f"`lr` must be > 0. Received: lr={self.lr}")
-        if self.combiner == "keras" and self.local_steps != 1:
-            raise ValueError(
-                "The `keras` baseline (plain gradient averaging) has no local steps. "
-                f"Received: combiner='keras', local_steps={self.local_steps}"
-            )
-        return self
+]  # COMBINERS, ENGINES and RunConfig live in tf_adasum.eval.config (no TensorFlow there)
 
 
 def optimizer_for(config: RunConfig):
@@ -127,6 +62,7 @@ def run(
     stop_at_target: bool = True,
     progress: Callable[[int, float, float], None] | None = None,
     data_dir: str | None = None,
+    verbose: bool = False,
 ) -> dict:
     """Trains `config` and returns its result record (see the README for the fields).
 
@@ -142,12 +78,14 @@ def run(
       stop_at_target: stop after the first epoch that reaches the target.
       progress: called after each epoch with (epoch, test accuracy, seconds).
       data_dir: where processes find the dataset (`load_dataset`).
+      verbose: show the processes' output (worker processes and MPI ranks),
+        TensorFlow's log lines included.
     """
     config.validate()
     if config.engine != "local-devices":
         from tf_adasum.eval.processes import run_in_processes
 
-        return run_in_processes(config, stop_at_target, progress, data_dir)
+        return run_in_processes(config, stop_at_target, progress, data_dir, verbose)
     import tensorflow as tf
 
     import tf_adasum
@@ -168,7 +106,10 @@ def run(
         config.target if stop_at_target else None,
         progress,
     )
-    model.fit(train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[epoch_end])
+    # shuffle=False: the stream is shuffled already (Keras would warn that it ignores shuffle=True).
+    model.fit(
+        train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=[epoch_end]
+    )
     return record(config, epoch_end.accuracy, epoch_end.seconds, stop_at_target)
 
 
