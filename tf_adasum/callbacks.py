@@ -114,30 +114,11 @@ def _find_adasum_optimizer(optimizer) -> AdasumOptimizer:
     return optimizer
 
 
-def _recording(optimizer: AdasumOptimizer) -> bool:
-    """Whether the optimizer records each combine's statistics."""
-    enabled = getattr(optimizer, "diagnostics_enabled", None)
-    return enabled if enabled is not None else optimizer._diagnostics.variable is not None
-
-
-def _num_replicas(optimizer: AdasumOptimizer) -> int:
-    n = getattr(optimizer, "num_replicas_combined", None)
-    return n if n is not None else optimizer._diagnostics.num_replicas
-
-
-def _delta_sq_sum(stats: dict[str, float], num_replicas: int) -> float:
-    if "delta_sq_sum" in stats:
-        return stats["delta_sq_sum"]
-    if stats["orthogonality"] > 0:  # orthogonality = |combined|^2 / sum_i |delta_i|^2
-        return stats["combined_norm"] ** 2 / stats["orthogonality"]
-    return num_replicas * stats["delta_norm_mean"] ** 2  # the combine cancelled out: a lower bound
-
-
-def model_orthogonality(record: dict[str, dict[str, float]], num_replicas: int) -> float:
+def model_orthogonality(record: dict[str, dict[str, float]]) -> float:
     """The orthogonality of the whole update, weighted by squared norms:
     sum_t |combined_t|^2 / sum_t sum_i |delta_i,t|^2 (1 when nothing moved)."""
     combined = sum(stats["combined_norm"] ** 2 for stats in record.values())
-    deltas = sum(_delta_sq_sum(stats, num_replicas) for stats in record.values())
+    deltas = sum(stats["delta_sq_sum"] for stats in record.values())
     return combined / deltas if deltas > 0 else (math.nan if math.isnan(deltas) else 1.0)
 
 
@@ -189,11 +170,11 @@ class AdasumDiagnostics(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._optimizer = _find_adasum_optimizer(self.model.optimizer)
-        if not _recording(self._optimizer):
+        if not self._optimizer.diagnostics_enabled:
             self._optimizer.enable_diagnostics()
             # A train function traced before diagnostics were on would not record them.
             self.model.make_train_function(force=True)
-        if _recording(self._optimizer):  # else the optimizer is built by the first step
+        if self._optimizer.diagnostics_enabled:  # else the optimizer is built by the first step
             self._check_logged_columns()
         if self.log_dir is not None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
@@ -208,22 +189,22 @@ class AdasumDiagnostics(keras.callbacks.Callback):
         if missing:
             raise ValueError(
                 f"`logged` names statistics this run does not record: {', '.join(missing)} (with "
-                f"{_num_replicas(self._optimizer)} replicas and this combiner it records "
+                f"{self._optimizer.num_replicas_combined} replicas and this combiner it records "
                 f"{', '.join(columns)}). Received: logged={self.logged!r}"
             )
 
     def on_train_batch_end(self, batch, logs=None):
         step = self._step
         self._step += 1
-        if step % self.every_n_steps or not _recording(self._optimizer):
+        if step % self.every_n_steps or not self._optimizer.diagnostics_enabled:
             return
         if not self.records:
             self._check_logged_columns()
-            self._num_replicas = _num_replicas(self._optimizer)
+            self._num_replicas = self._optimizer.num_replicas_combined
         record = self._optimizer.read_diagnostics()
         adacons = self._optimizer.read_adacons()
         self.records.append((step, record))
-        model = {"orthogonality": model_orthogonality(record, self._num_replicas)}
+        model = {"orthogonality": model_orthogonality(record)}
         flat = {f"{LOG_PREFIX}/{stat}": value for stat, value in model.items()}
         self._latest_logged = dict(flat)
         self._latest_logged.update(self._flatten(record, self.logged))
@@ -324,7 +305,7 @@ def _write_png(records, num_replicas: int, path: str) -> None:
     )
 
     top = fig.add_subplot(grid[0, :-1])
-    top.plot(steps, [model_orthogonality(record, n) for _, record in records], color="black", marker=".", lw=1.2)
+    top.plot(steps, [model_orthogonality(record) for _, record in records], color="black", marker=".", lw=1.2)
     for value, text in ((1.0, "orthogonal deltas: 1"), (1.0 / n, f"identical deltas: 1/N = {1.0 / n:.2f}")):
         top.axhline(value, color="gray", lw=0.7, ls="--")
         top.annotate(
