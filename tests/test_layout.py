@@ -35,6 +35,7 @@ LAYERS = {
     "optimizer_args": 7,
     "optimizer": 8,
     "callbacks": 9,
+    "backup": 9,
     "mpi": 9,
     "compat": 9,
     "cli": 11,

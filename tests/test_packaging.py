@@ -40,6 +40,7 @@ def test_public_api():
             "AdasumCrossDeviceOps",
             "AdasumDiagnostics",
             "AdasumOptimizer",
+            "BackupAndRestore",
             "__version__",
             "adasum_pair",
             "combiners",

@@ -6,11 +6,12 @@ Public API:
   AdasumCrossDeviceOps   a `tf.distribute.CrossDeviceOps` carrying the collective
   AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
   AdasumDiagnostics      a Keras callback with per-tensor diagnostics of the combine
+  BackupAndRestore       a Keras callback: back up every epoch, resume after a kill, one folder on every engine
   combiners              combiner objects ("adasum", "sum", "mean", AdaCons)
   mpi                    rank(), size(), local_rank(), MetricAverageCallback for mpirun jobs
 
 Engines: MirroredStrategy and MultiWorkerMirroredStrategy (TF collective ops),
-and MPI ranks (`tf_adasum.comm.mpi`, mpi4py imported only when used). The
+and MPI ranks (`tf_adasum.engines`, mpi4py imported only when used). The
 launcher: `tf-adasum launch -n N script.py` / `python -m tf_adasum.launch`.
 """
 
@@ -54,6 +55,7 @@ __all__ = [
     "AdasumCrossDeviceOps",
     "AdasumDiagnostics",
     "AdasumOptimizer",
+    "BackupAndRestore",
     "__version__",
     "adasum_pair",
     "combiners",
@@ -64,13 +66,15 @@ __all__ = [
 
 def _load() -> None:
     """Imports the public API, and so TensorFlow, into this module."""
-    global _loading, AdasumCrossDeviceOps, AdasumDiagnostics, AdasumOptimizer, adasum_pair, combiners, mpi, reference
+    global _loading, AdasumCrossDeviceOps, AdasumDiagnostics, AdasumOptimizer, BackupAndRestore, adasum_pair
+    global combiners, mpi, reference
     _loading = True
     _check_keras_backend()
     import tf_adasum.combiners as combiners
     import tf_adasum.compat as compat
     import tf_adasum.mpi as mpi
     import tf_adasum.reference as reference
+    from tf_adasum.backup import BackupAndRestore
     from tf_adasum.callbacks import AdasumDiagnostics
     from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
     from tf_adasum.ops import adasum_pair

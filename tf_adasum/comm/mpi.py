@@ -38,6 +38,7 @@ from tensorflow.python.ops import control_flow_util
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
+    "add_deadline_probe",
     "INSTALL_HINT",
     "Chain",
     "MPICommunicator",
@@ -100,10 +101,17 @@ def default_timeout() -> float:
 # -- deadlines ------------------------------------------------------------------
 
 _deadline_missed = threading.Event()
+_deadline_probes: list[Callable[[], bool]] = []
+
+
+def add_deadline_probe(probe: Callable[[], bool]) -> None:
+    """Registers `probe`, which tells whether calls made outside this module
+    (e.g. native ops) missed a deadline; consulted when the process exits."""
+    _deadline_probes.append(probe)
 
 
 def _abort_if_a_deadline_was_missed() -> None:
-    if _deadline_missed.is_set():
+    if _deadline_missed.is_set() or any(probe() for probe in _deadline_probes):
         sys.stderr.flush()
         mpi().COMM_WORLD.Abort(1)
 

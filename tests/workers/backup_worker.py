@@ -1,0 +1,229 @@
+"""One process of the backup tests: run by `tf-adasum launch` (TF_CONFIG,
+MultiWorkerMirroredStrategy) or by `mpirun` (the MPI engine).
+
+    python backup_worker.py STEP OUTDIR WRITER_FAULT
+
+Every step trains the same job (a Dense layer, AdasumOptimizer in gradient
+mode over Adam, EPOCHS epochs of STEPS batches, each epoch its own seeded
+order of the rows) with `tf_adasum.backup.BackupAndRestore` on one shared
+folder, ``OUTDIR/backup``, and is interrupted at a different point; the test
+relaunches the next step on the same folder:
+
+1. an uninterrupted run in its own folder (``reference_rank{R}.npz``); then
+   the chain starts, and the writer dies in its save at the end of epoch 1:
+   WRITER_FAULT ``inside`` (only a partial temporary file written) or
+   ``between`` (the weights file written, not the metadata naming it);
+2. process 1 (not the writer) dies in the middle of epoch 2;
+3. the run completes (``final_rank{R}.npz``; `fit` inside the strategy's
+   scope, where loading and saving communicate); then a misconfiguration:
+   a folder per process, where only the writer's holds a backup, must be a
+   ValueError on every process (``mismatch_rank{R}.json``).
+
+Each chain step reports ``step{S}_rank{R}.json`` (the epoch restored, the
+epochs begun), rewritten at every epoch so that it survives the kill. The
+input pipeline starts at `tf_adasum.backup.saved_epoch`, as the README says.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from simulation import BATCH, IN, OUT  # noqa: E402
+from simulation import data as simulation_data  # noqa: E402
+
+import tf_adasum  # noqa: E402
+import tf_adasum.mpi  # noqa: E402
+from tf_adasum import backup  # noqa: E402
+from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
+from tf_adasum.engines import select  # noqa: E402
+
+EPOCHS, STEPS = 4, 3
+#: Collective timeout: a bug fails the run instead of hanging it.
+TIMEOUT_SECONDS = float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "60"))
+#: What goes wrong in chain step 1 (the writer's fault) and 2, and in which epoch.
+WRITER_FAULT_EPOCH, MID_EPOCH_FAULT_EPOCH = 1, 2
+LAST_STEP = 3
+KILLED = 23
+
+
+class Job:
+    """The multi-worker strategy (TF_CONFIG) or MPI ranks, behind one face."""
+
+    def __init__(self):
+        self.strategy = None
+        if "TF_CONFIG" in os.environ:
+            options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+            self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
+        else:
+            assert select.launched_by_mpi(), "run under tf-adasum launch (TF_CONFIG) or mpirun"
+            self.rank, self.size = tf_adasum.mpi.rank(), tf_adasum.mpi.size()
+
+    def scope(self):
+        return self.strategy.scope() if self.strategy else contextlib.nullcontext()
+
+    def model(self):
+        """The Dense layer from this process's own random weights, compiled."""
+        with self.scope():
+            keras.utils.set_random_seed(10 + self.rank)
+            model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+            optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.Adam(0.01), mode="gradient")
+            model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        return model
+
+    def fit(self, model, start, callbacks):
+        """Epochs start..EPOCHS-1; in epoch e this process's rows of each
+        global batch, the batches in epoch e's own order."""
+        x, y = simulation_data(STEPS)
+        b = BATCH // self.size
+        mine, xs, ys = np.arange(self.rank * b, (self.rank + 1) * b), [], []
+        for epoch in range(start, EPOCHS):
+            order = np.random.default_rng(epoch).permutation(STEPS)
+            rows = np.concatenate([s * BATCH + mine for s in order])
+            xs.append(x[rows])
+            ys.append(y[rows])
+        dataset = tf.data.Dataset.from_tensor_slices((np.concatenate(xs), np.concatenate(ys))).batch(b)
+        if self.strategy is not None:
+            dataset = self.strategy.distribute_datasets_from_function(lambda context: dataset)
+        model.fit(dataset, epochs=EPOCHS, steps_per_epoch=STEPS, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+class FaultyBackup(backup.BackupAndRestore):
+    """Dies inside the writer's save at the end of epoch `epoch`: after a
+    partial temporary weights file ("inside"), or after the weights file,
+    before the metadata ("between")."""
+
+    def __init__(self, backup_dir, fault, epoch):
+        super().__init__(backup_dir)
+        self.fault, self.epoch, self.now = fault, epoch, False
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.now = epoch == self.epoch
+        super().on_epoch_end(epoch, logs)
+
+    def _commit(self, name, write):
+        if self.now and self.fault == "inside" and name.endswith(".weights.h5"):
+            temp = os.path.join(self.backup_dir, f".tmp-killed-{name}")
+            write(temp)
+            os.truncate(temp, os.path.getsize(temp) // 2)  # as if killed while writing
+            os._exit(KILLED)
+        if self.now and self.fault == "between" and name == backup.METADATA_NAME:
+            os._exit(KILLED)
+        super()._commit(name, write)
+
+
+class Report(keras.callbacks.Callback):
+    """Writes what this process restored and which epochs it began."""
+
+    def __init__(self, path, restoring):
+        super().__init__()
+        self.path, self.restoring, self.begun = path, restoring, []
+
+    def _write(self):
+        report = {"restored": self.restoring.restored_epoch, "begun": self.begun}
+        with open(self.path, "w") as f:
+            json.dump(report, f)
+
+    def on_train_begin(self, logs=None):
+        self._write()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begun.append(epoch)
+        self._write()
+
+
+class DieMidEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch, self.current = epoch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 1:
+            os._exit(KILLED)
+
+
+def save_state(model, path):
+    np.savez(path, *[v.numpy() for v in model.weights], *[v.numpy() for v in model.optimizer.variables])
+
+
+def run_reference(job, out):
+    folder = os.path.join(out, "reference_backup")
+    model = job.model()
+    job.fit(model, backup.saved_epoch(folder), [backup.BackupAndRestore(folder)])
+    save_state(model, os.path.join(out, f"reference_rank{job.rank}.npz"))
+
+
+def run_chain(job, out, step, writer_fault):
+    folder = os.path.join(out, "backup")
+    if step == 1:
+        restoring = FaultyBackup(folder, writer_fault, WRITER_FAULT_EPOCH)
+    else:
+        restoring = backup.BackupAndRestore(folder)
+    callbacks = [restoring, Report(os.path.join(out, f"step{step}_rank{job.rank}.json"), restoring)]
+    if step == 2 and job.rank == 1:
+        callbacks.append(DieMidEpoch(MID_EPOCH_FAULT_EPOCH))
+    model = job.model()
+    # The last step calls `fit` inside the strategy's scope, where Keras' load and
+    # save create mirrored variables (collectives): every worker loads and saves.
+    with job.scope() if step == LAST_STEP else contextlib.nullcontext():
+        job.fit(model, backup.saved_epoch(folder), callbacks)
+    save_state(model, os.path.join(out, f"final_rank{job.rank}.npz"))
+    return model
+
+
+def run_mismatch(job, out, model):
+    """A folder per process: the writer's holds a backup after one epoch, the
+    others' none (`model` is trained on; its train function is traced already)."""
+    folder = os.path.join(out, f"own{job.rank}")
+    x, y = simulation_data(STEPS)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH // job.size).repeat()
+    if job.strategy is not None:
+        dataset = job.strategy.distribute_datasets_from_function(lambda context: dataset)
+    fit = lambda epochs: model.fit(  # noqa: E731
+        dataset, epochs=epochs, steps_per_epoch=1, shuffle=False, verbose=0,
+        callbacks=[backup.BackupAndRestore(folder, delete_checkpoint=False)],
+    )  # fmt: skip
+    fit(1)
+    report = {"raised": False}
+    try:
+        fit(2)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        report = {"raised": True, "type": type(error).__name__, "message": str(error)}
+    with open(os.path.join(out, f"mismatch_rank{job.rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def main():
+    step, out, writer_fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    assert writer_fault in ("inside", "between"), writer_fault
+    job = Job()
+    try:
+        if step == 1:
+            run_reference(job, out)
+        model = run_chain(job, out, step, writer_fault)
+        if step == LAST_STEP:
+            run_mismatch(job, out, model)
+    except Exception:
+        traceback.print_exc()
+        os._exit(1)
+    sys.stdout.flush()
+    if job.strategy is None:
+        mpi_transport.mpi().Finalize()  # mpirun treats an exit without it as a failure
+    os._exit(0)  # skip TF's teardown, which can wait on peers that already left
+
+
+if __name__ == "__main__":
+    main()
