@@ -142,6 +142,21 @@ def test_variables_without_gradients_are_left_alone():
     _assert_identical(strategy, model.weights)
 
 
+def test_diagnostics_with_a_variable_without_gradients():
+    x, y = data(2)
+    strategy = mirrored(2)[0]
+    with strategy.scope():
+        layer = _DenseWithUnusedWeight()
+        model = keras.Sequential([keras.Input((IN,)), layer])
+        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    callback = tf_adasum.AdasumDiagnostics(every_n_steps=1)
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+    record = callback.records[-1][1]
+    assert np.isfinite(record[layer.kernel.path]["orthogonality"])
+    assert np.isnan(record[layer.unused.path]["orthogonality"])  # never combined
+
+
 def _poisoned_data(replica, value):
     """Two batches; in the second, replica `replica`'s shard (of 2) holds `value`."""
     x, y = data(2)

@@ -59,6 +59,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_adasum import keras_step
 from tf_adasum.comm import cluster
 from tf_adasum.comm import mpi as mpi_transport
 from tf_adasum.engines import select
@@ -250,11 +251,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
-        if not hasattr(model, "_initial_epoch"):
-            raise RuntimeError(
-                "tf_adasum.BackupAndRestore sets the epoch to resume from through keras.Model._initial_epoch "
-                f"(as keras.callbacks.BackupAndRestore does), which Keras {keras.__version__} no longer has."
-            )
+        if not keras_step.has_initial_epoch(model):
+            keras_step.set_initial_epoch(model, None)  # raises, naming what is missing
         if not model.built:
             raise ValueError(
                 "BackupAndRestore needs a built model before `fit` (give it a `keras.Input`, or call "
@@ -277,10 +275,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.restored_epoch:
             # Every process loads, or none: loading may communicate (see `_save_communicates`).
             model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
-            model._initial_epoch = self.restored_epoch
+            keras_step.set_initial_epoch(model, self.restored_epoch)
             self._set_initial_epoch = True
         elif self._set_initial_epoch:  # left from an earlier interrupted `fit` of this callback
-            model._initial_epoch = None
+            keras_step.set_initial_epoch(model, None)
             self._set_initial_epoch = False
 
     def _find_backup(self) -> dict | None:
@@ -392,7 +390,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self._set_initial_epoch:  # applies to this `fit` only (Keras' own callback leaves it set)
-            self.model._initial_epoch = None
+            keras_step.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False
         if self.delete_checkpoint and self._is_writer and os.path.isdir(self.backup_dir):
             metadata = os.path.join(self.backup_dir, METADATA_NAME)

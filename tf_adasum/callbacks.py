@@ -164,6 +164,7 @@ class AdasumDiagnostics(keras.callbacks.Callback):
         self.records: list[tuple[int, dict[str, dict[str, float]]]] = []
         self._optimizer: AdasumOptimizer | None = None
         self._num_replicas = 1
+        self._writes_files = False
         self._writer = None
         self._step = 0
         self._latest_logged: dict[str, float] = {}
@@ -176,8 +177,6 @@ class AdasumDiagnostics(keras.callbacks.Callback):
             self.model.make_train_function(force=True)
         if self._optimizer.diagnostics_enabled:  # else the optimizer is built by the first step
             self._check_logged_columns()
-        if self.log_dir is not None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.jsonl_path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
 
@@ -201,6 +200,10 @@ class AdasumDiagnostics(keras.callbacks.Callback):
         if not self.records:
             self._check_logged_columns()
             self._num_replicas = self._optimizer.num_replicas_combined
+            # Every process records (a collective); the first one alone writes the files.
+            self._writes_files = self._optimizer.engine.is_first_process
+            if self.log_dir is not None and self._writes_files:
+                self._writer = tf.summary.create_file_writer(self.log_dir)
         record = self._optimizer.read_diagnostics()
         adacons = self._optimizer.read_adacons()
         self.records.append((step, record))
@@ -214,7 +217,7 @@ class AdasumDiagnostics(keras.callbacks.Callback):
             self._latest_logged.update(self._flatten_adacons(adacons, per_tensor=self.logged == "all"))
         if logs is not None:
             logs.update(self._latest_logged)
-        if self.jsonl_path is not None:
+        if self.jsonl_path is not None and self._writes_files:
             with open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "model": model, "tensors": record, "adacons": adacons}) + "\n")
         if self._writer is not None:
@@ -229,7 +232,7 @@ class AdasumDiagnostics(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._writer is not None:
             self._writer.flush()
-        if self.png_path is not None and self.records:
+        if self.png_path is not None and self.records and self._writes_files:
             _write_png(self.records, self._num_replicas, self.png_path)
 
     @staticmethod

@@ -117,9 +117,11 @@ class Recorder:
             raise ValueError("Diagnostics are not enabled: attach a tf_adasum.AdasumDiagnostics callback.")
         return {name: dict(zip(self.columns(), map(float, row))) for name, row in zip(names, self.variable.numpy())}
 
-    def record(self, engine: Engine, per_replica: Sequence, combined: Sequence, partials) -> None:
+    def record(self, engine: Engine, per_replica: Sequence, combined: Sequence, partials, rows: Sequence[int]) -> None:
         """Cross-replica context: statistics of one combine of `per_replica`
-        values into `combined`, with the tree's per-replica `partials`."""
+        values into `combined`, with the tree's per-replica `partials`, written
+        to the variable's `rows` (one per value: the tensors a step updates may
+        be a subset; the other rows keep their last statistics)."""
         num_tensors = len(per_replica)
         levels = rvh.num_levels(self.num_replicas) if self.with_levels else 0
         strategy = engine.strategy
@@ -129,8 +131,12 @@ class Recorder:
             held = held[:levels] if levels else tf.zeros([0, num_tensors, 3], tf.float64)
             return tf.concat([_squares(deltas), tf.reshape(held, [-1])], axis=0)
 
-        rows = engine.gather_small(strategy.extended.call_for_each_replica(local_row, args=(*per_replica, partials)))
-        delta_sq = rows[:, :num_tensors]
-        held = tf.reshape(rows[:, num_tensors:], [self.num_replicas, levels, num_tensors, 3])
+        gathered = engine.gather_small(
+            strategy.extended.call_for_each_replica(local_row, args=(*per_replica, partials))
+        )
+        delta_sq = gathered[:, :num_tensors]
+        held = tf.reshape(gathered[:, num_tensors:], [self.num_replicas, levels, num_tensors, 3])
         combined_sq = _squares([strategy.experimental_local_results(value)[0] for value in combined])
-        self.variable.assign(statistics(delta_sq, combined_sq, held, self.with_levels))
+        values = statistics(delta_sq, combined_sq, held, self.with_levels)
+        indices = tf.constant([[row] for row in rows], tf.int32)
+        self.variable.assign(tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.variable), indices, values))

@@ -7,7 +7,8 @@ gradients. These functions take over its parts, in cross-replica context,
 each replica with its own gradients: clipping (``_clip_gradients``), weight
 decay (``_use_weight_decay``), the per-variable ``update_step``, the
 ``iterations`` count, constraints, and the EMA of the combined weights
-(``_model_variables_moving_average``, ``_overwrite_model_variables_with_average_value``).
+(``_model_variables_moving_average``, ``_overwrite_model_variables_with_average_value``);
+and the epoch a resumed `fit` starts from (``Model._initial_epoch``).
 Every private name used is checked once (`check_keras_internals`), so a Keras
 release that renames one fails loudly at construction, never silently.
 """
@@ -19,7 +20,15 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-__all__ = ["apply_constraints", "check_keras_internals", "local_update", "tf_variable", "update_ema"]
+__all__ = [
+    "apply_constraints",
+    "check_keras_internals",
+    "has_initial_epoch",
+    "local_update",
+    "set_initial_epoch",
+    "tf_variable",
+    "update_ema",
+]
 
 _OPTIMIZER_INTERNALS = (
     "_clip_gradients",
@@ -89,3 +98,20 @@ def update_ema(optimizer: keras.optimizers.Optimizer, variables: Sequence, first
             return tf.constant(True)
 
         tf.cond(overwrite, do_overwrite, lambda: tf.constant(False))
+
+
+def has_initial_epoch(model: keras.Model) -> bool:
+    """Whether this Keras has the private ``Model._initial_epoch`` that
+    `keras.callbacks.BackupAndRestore` sets (and `set_initial_epoch` uses)."""
+    return hasattr(model, "_initial_epoch")
+
+
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
+    """The epoch `fit` starts from, as `keras.callbacks.BackupAndRestore` sets it
+    (None: `fit`'s own ``initial_epoch``)."""
+    if not has_initial_epoch(model):
+        raise RuntimeError(
+            "tf_adasum sets the epoch to resume from through keras.Model._initial_epoch (as "
+            f"keras.callbacks.BackupAndRestore does), which Keras {keras.__version__} no longer has."
+        )
+    model._initial_epoch = epoch

@@ -211,7 +211,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def _create_diagnostics(self):
         n = self.engine.num_replicas
-        with_levels = type(self.combiner) is combiners_lib.Adasum and not self.hierarchical and n > 1
+        with_levels = isinstance(self.combiner, combiners_lib.Adasum) and not self.hierarchical and n > 1
         self._diagnostics.create(self._distribution_strategy, len(self._trainable_variables), n, with_levels)
 
     def diagnostics_columns(self) -> list[str]:
@@ -279,7 +279,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         else:
             combined, partials = self.engine.combine(per_replica, self.combiner, self.hierarchical, with_partials=True)
         if self._diagnostics.variable is not None:
-            self._diagnostics.record(self.engine, per_replica, combined, partials)
+            rows = [self._get_variable_index(v) for v in keras_variables]
+            self._diagnostics.record(self.engine, per_replica, combined, partials, rows)
         return combined
 
     def _step(self, strategy, grads, keras_variables):

@@ -302,6 +302,11 @@ class Engine(abc.ABC):
     def gather_small(self, per_replica: Any) -> tf.Tensor:
         """``[num_replicas, *shape]``: every replica's small tensor, in replica order."""
 
+    @property
+    @abc.abstractmethod
+    def is_first_process(self) -> bool:
+        """Whether this process holds replica 0 (the one that writes logs and files)."""
+
     @abc.abstractmethod
     def replica_id(self) -> tf.Tensor | int:
         """In a replica context: this replica's global index."""

@@ -176,6 +176,10 @@ class MPIEngine(Engine):
         what = "a gather over all ranks"
         return self._chain.call(lambda v: transport.allgather(comm, v, timeout, what), [x], x.dtype, [size, *x.shape])
 
+    @property
+    def is_first_process(self) -> bool:
+        return self.world.rank == 0
+
     def replica_id(self) -> int:
         return self.world.rank
 

@@ -134,6 +134,10 @@ class TFEngine(Engine):
         shape = self.strategy.experimental_local_results(per_replica)[0].shape
         return tf.ensure_shape(self.strategy.gather(rows, axis=0), [self.num_replicas, *shape])
 
+    @property
+    def is_first_process(self) -> bool:
+        return self.ranks[0] == 0
+
     def replica_id(self):
         return tf.distribute.get_replica_context().replica_id_in_sync_group
 
