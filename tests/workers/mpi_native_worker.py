@@ -62,6 +62,11 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(tf.cast(x, tf.float64))
 
 
+def _intermediate(x: tf.Tensor) -> tf.Tensor:
+    """`x` (float32) recomputed exactly, as a tensor nothing else holds."""
+    return tf.cast(tf.cast(x, tf.float64), x.dtype)
+
+
 def run(comm, k: int, out: str, world) -> None:
     """Every op on communicator `comm` (k ranks); writes this rank's results."""
     from tf_adasum import combiners, rvh
@@ -74,7 +79,14 @@ def run(comm, k: int, out: str, world) -> None:
         comm, world.sum_communicators(comm, rvh.groups(k)), transport.Chain(), TIMEOUT_SECONDS
     )
     results = {}
-    graph_tree = tf.function(lambda values: mpi_native.tree(values, comm, "adasum", TIMEOUT_SECONDS), autograph=False)
+    # In a traced function, on intermediates: the op may reuse their buffers (in place).
+    graph_tree = tf.function(
+        lambda values: mpi_native.tree([_intermediate(v) for v in values], comm, "adasum", TIMEOUT_SECONDS),
+        autograph=False,
+    )
+    graph_sum = tf.function(
+        lambda x: mpi_native.allreduce_sum(_intermediate(x), comm, TIMEOUT_SECONDS), autograph=False
+    )
     for dtype in DTYPES:
         values = [tf.cast(x, dtype) for x in tree_inputs(rank)]
         for rule in RULES:
@@ -88,7 +100,7 @@ def run(comm, k: int, out: str, world) -> None:
                 results[f"{dtype}_{rule}_{i}_python"] = _numpy(y[0])
             results[f"{dtype}_{rule}_partials"] = partials.numpy()
             results[f"{dtype}_{rule}_partials_python"] = python_partials[0].numpy()
-        if dtype == "float32":  # the same op inside a traced function
+        if dtype == "float32":
             combined, partials = graph_tree(values)
             assert partials.shape == [rvh.num_levels(k), len(SHAPES), 3], partials.shape
             for i, x in enumerate(combined):
@@ -98,8 +110,18 @@ def run(comm, k: int, out: str, world) -> None:
     for dtype in GATHER_DTYPES:
         gathered = mpi_native.allgather(tf.cast(gather_input(rank), dtype), comm, TIMEOUT_SECONDS)
         results[f"gather_{dtype}"] = _numpy(gathered)
+    dtype, shape = SUM_CASES[0]
+    results["sum_graph"] = graph_sum(sum_input(rank, dtype, shape)).numpy()
     results["gather_empty"] = mpi_native.allgather(tf.zeros([0, 2]), comm, TIMEOUT_SECONDS).numpy()
     np.savez(os.path.join(out, f"tree_k{k}_rank{rank}.npz"), **results)
+
+
+def barrier(comm) -> None:
+    """A barrier that sleeps while it waits: idle ranks leave the cores to the
+    busy ones (MPI's own barrier spins)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
 
 
 def deadline(world_comm, out: str) -> None:
@@ -126,7 +148,7 @@ def deadline(world_comm, out: str) -> None:
         report["seconds"] = time.monotonic() - start
         with open(os.path.join(out, "deadline.json"), "w", encoding="utf-8") as f:
             json.dump(report, f)
-    world_comm.Barrier()  # rank 1 stays away until rank 0 has given up
+    barrier(world_comm)  # rank 1 stays away until rank 0 has given up
 
 
 def main(argv) -> int:
@@ -146,7 +168,7 @@ def main(argv) -> int:
         sub = MPI.COMM_SELF if k == 1 else comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank)
         if sub != MPI.COMM_NULL and (k > 1 or comm.rank == 0):
             run(sub, k, out, world)
-        comm.Barrier()
+        barrier(comm)
     if "--deadline" in argv:
         deadline(comm, out)
     return 0

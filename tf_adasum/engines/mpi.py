@@ -133,6 +133,8 @@ class MPIEngine(Engine):
                 scope: world.sum_communicators(comm, rvh.groups(comm.Get_size())) for scope, comm in self._comms.items()
             }
         self.native = mpi_native.load()  # None (one warning) where the library cannot be built
+        if self.native is not None:
+            transport.add_deadline_probe(mpi_native.deadlines_missed)
 
     def scope_size(self, scope: str) -> int:
         return self._comms[scope].Get_size()

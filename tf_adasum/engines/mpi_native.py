@@ -4,7 +4,8 @@ A C++ op library (``native/adasum_mpi_ops.cc``) compiled on first use against
 the installed TensorFlow and the MPI library that mpi4py loaded, cached under
 ``~/.cache/tf_adasum/mpi_native/<hash>/`` (``TF_ADASUM_CACHE_DIR`` overrides
 the root) and loaded with `tf.load_op_library`. Its ops call MPI directly,
-read their input tensors in place and write their outputs directly:
+read their inputs in place and write their outputs directly (into the
+inputs' buffers when nothing else holds them, e.g. intermediates of a graph):
 
 * `tree`: ``TfAdasumMpiTree``, the vector-halving tree of `tf_adasum.rvh`
   (``allreduce``) with the Adasum or plain-sum pair rule, for a list of
@@ -18,6 +19,8 @@ merged or constant-folded), but they are not ordered among themselves: every
 rank must run the same ops in the same order, one at a time, so callers
 chain them with control dependencies. They need MPI initialised with at
 least ``MPI_THREAD_SERIALIZED`` (mpi4py's default is ``MPI_THREAD_MULTIPLE``).
+The communicator's handle is an attribute of the op, valid in this process
+only: graphs holding these ops cannot be exported (SavedModel).
 Every MPI wait polls against ``timeout_seconds`` (0: forever) and fails with
 `tf.errors.DeadlineExceededError` naming the call and the peer.
 
@@ -29,6 +32,7 @@ compiler (``CXX``, default ``g++``), no ``mpi.h`` or no build is possible.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -45,14 +49,24 @@ import tensorflow as tf
 
 from tf_adasum.reference import tree_shape
 
-__all__ = ["RULES", "BuildError", "allgather", "allreduce_sum", "build", "cache_root", "load", "tree"]
+__all__ = [
+    "RULES",
+    "BuildError",
+    "allgather",
+    "allreduce_sum",
+    "build",
+    "cache_root",
+    "deadlines_missed",
+    "load",
+    "tree",
+]
 
 SOURCE = Path(__file__).resolve().parent / "native" / "adasum_mpi_ops.cc"
 LIBRARY = "tf_adasum_mpi_ops.so"
 #: The pair rules of `tree`.
 RULES = ("adasum", "sum")
 #: Portable optimisation only: the AVX2 kernels are chosen at run time.
-FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w"]
+FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w", "-Wno-psabi"]
 
 _TREE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _SUM_DTYPES = (tf.float32, tf.float64)
@@ -69,17 +83,12 @@ def cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "tf_adasum" / "mpi_native"
 
 
-def _mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as error:
-        raise BuildError(f"mpi4py cannot be imported ({error})") from error
-    return MPI
-
-
 def _loaded_libmpi() -> str | None:
     """The path of the libmpi that mpi4py loaded into this process (Linux)."""
-    _mpi()
+    try:
+        from mpi4py import MPI  # noqa: F401 (loads libmpi)
+    except ImportError as error:
+        raise BuildError(f"mpi4py cannot be imported ({error})") from error
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if "/libmpi" in line}
@@ -157,12 +166,14 @@ def build() -> Path:
             os.unlink(partial)
             tail = "\n".join(result.stderr.strip().splitlines()[-15:])
             raise BuildError(f"compiling {SOURCE.name} with {compiler} failed (log: {folder / 'build.log'}):\n{tail}")
+        os.chmod(partial, 0o755)  # mkstemp made it private
         os.replace(partial, target)
     return target
 
 
 _lock = threading.Lock()
 _loaded: list = []  # [module or None] once `load` has run
+_library: list = []  # [the loaded library, through ctypes] for `deadlines_missed`
 
 
 def load():
@@ -179,7 +190,9 @@ def load():
                 reason = "TF_ADASUM_MPI_NATIVE=0"
             else:
                 try:
-                    module = tf.load_op_library(str(build()))
+                    path = build()
+                    module = tf.load_op_library(str(path))
+                    _library.append(ctypes.CDLL(str(path)))
                 except BuildError as error:
                     reason = str(error)
                 except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
@@ -195,6 +208,12 @@ def load():
         return _loaded[0]
 
 
+def deadlines_missed() -> bool:
+    """Whether a native op of this process missed its deadline (each such op
+    also reported it on stderr)."""
+    return bool(_library) and _library[0].tf_adasum_mpi_deadlines_missed() > 0
+
+
 def _ops():
     module = load()
     if module is None:
@@ -203,23 +222,26 @@ def _ops():
 
 
 def _handle(comm) -> int:
-    MPI = _mpi()
+    from mpi4py import MPI
+
     if not hasattr(MPI, "_handleof"):
         raise RuntimeError(
-            f"This mpi4py ({getattr(sys.modules.get('mpi4py'), '__version__', '?')}) has no `MPI._handleof`, "
-            "which the native MPI ops need to reach the communicator; install mpi4py >= 4.0."
+            "This mpi4py has no `MPI._handleof`, which the native MPI ops need to reach the communicator; "
+            "install the `mpi` extra's mpi4py (>= 4.0)."
         )
     return int(MPI._handleof(comm))
 
 
-def _check(x: tf.Tensor, dtypes, name: str) -> None:
+def _checked(x, dtypes, name: str) -> tf.Tensor:
+    x = tf.convert_to_tensor(x)
     if x.dtype not in dtypes:
         raise TypeError(
             f"`{name}` must have one of the dtypes {[d.name for d in dtypes]}. Received: {name}.dtype={x.dtype.name}"
         )
+    return x
 
 
-def _check_timeout(timeout_seconds: float) -> float:
+def _timeout(timeout_seconds: float) -> float:
     if not timeout_seconds >= 0:
         raise ValueError(f"`timeout_seconds` must be >= 0 (0: forever). Received: timeout_seconds={timeout_seconds}")
     return float(timeout_seconds)
@@ -258,12 +280,11 @@ def tree(
     """
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {list(RULES)}. Received: rule={rule!r}")
-    timeout_seconds = _check_timeout(timeout_seconds)
-    values = [tf.convert_to_tensor(v) for v in values]
+    timeout_seconds = _timeout(timeout_seconds)
+    values = [_checked(v, _TREE_DTYPES, f"values[{i}]") for i, v in enumerate(values)]
     if not values:
         raise ValueError("`values` must hold at least one tensor. Received: values=[]")
     for i, x in enumerate(values):
-        _check(x, _TREE_DTYPES, f"values[{i}]")
         if x.dtype != values[0].dtype:
             raise TypeError(
                 f"`values` must share one dtype. Received: values[0].dtype={values[0].dtype.name}, "
@@ -281,9 +302,7 @@ def tree(
 def allreduce_sum(x: tf.Tensor, comm, timeout_seconds: float = 0.0) -> tf.Tensor:
     """Elementwise sum of `x` (float32 or float64) over the ranks of `comm`
     (``MPI_Iallreduce``, MPI's summation order); same shape and dtype."""
-    timeout_seconds = _check_timeout(timeout_seconds)
-    x = tf.convert_to_tensor(x)
-    _check(x, _SUM_DTYPES, "x")
+    timeout_seconds, x = _timeout(timeout_seconds), _checked(x, _SUM_DTYPES, "x")
     return _ops().tf_adasum_mpi_allreduce(x=x, comm=_handle(comm), timeout_seconds=timeout_seconds)
 
 
@@ -291,27 +310,23 @@ def allreduce_sum(x: tf.Tensor, comm, timeout_seconds: float = 0.0) -> tf.Tensor
 def allgather(x: tf.Tensor, comm, timeout_seconds: float = 0.0) -> tf.Tensor:
     """``[size, *x.shape]``: every rank's `x` in rank order (bytes, unchanged).
     For small tensors (under 2 GiB in all); the same shape on every rank."""
-    timeout_seconds = _check_timeout(timeout_seconds)
-    x = tf.convert_to_tensor(x)
-    _check(x, _GATHER_DTYPES, "x")
+    timeout_seconds, x = _timeout(timeout_seconds), _checked(x, _GATHER_DTYPES, "x")
     out = _ops().tf_adasum_mpi_allgather(x=x, comm=_handle(comm), timeout_seconds=timeout_seconds)
     out.set_shape([comm.Get_size(), *x.shape])
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``--build``: builds the library (or finds it in the cache), prints its path."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Builds tf_adasum's native MPI op library.")
-    parser.add_argument("--build", action="store_true", help="build (or find in the cache) and print its path")
-    args = parser.parse_args(argv)
-    if not args.build:
-        parser.print_help()
-        return 2
+    parser.add_argument("--build", action="store_true", required=True, help="build it and print its path")
+    parser.parse_args(argv)
     try:
         import mpi4py
 
-        mpi4py.rc.initialize = False  # only the path of libmpi is needed here
+        mpi4py.rc.initialize = False  # only the path of libmpi is needed: no MPI_Init here
     except ImportError:
         pass  # `build` names what is missing
     try:
