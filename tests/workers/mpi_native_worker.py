@@ -32,7 +32,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 RULES = ("adasum", "sum")
 SUM_CASES = [("float32", (17,)), ("float64", (3, 4)), ("float64", ()), ("float32", (0,))]
 GATHER_DTYPES = ("int32", "int64", "float16", "bfloat16", "float32", "float64")
-TIMEOUT_SECONDS = 60.0
+TIMEOUT_SECONDS = 300.0  # six ranks on two busy cores can be slow
 DEADLINE_SECONDS = 3.0
 
 
@@ -69,12 +69,15 @@ def _intermediate(x: tf.Tensor) -> tf.Tensor:
 
 def run(comm, k: int, out: str, world) -> None:
     """Every op on communicator `comm` (k ranks); writes this rank's results."""
-    from tf_adasum import combiners, rvh
+    from tf_adasum import combiners, ops, rvh
     from tf_adasum.comm import mpi as transport
     from tf_adasum.engines import mpi_native
     from tf_adasum.engines.base import combine_with_communicators
 
     rank = comm.Get_rank()
+    # The Python path's XLA kernels compile per shape and dtype (seconds each);
+    # its plain-op kernels compute the same.
+    ops.XLA_MIN_ELEMENTS = 1 << 62
     communicator = transport.MPICommunicator(
         comm, world.sum_communicators(comm, rvh.groups(k)), transport.Chain(), TIMEOUT_SECONDS
     )

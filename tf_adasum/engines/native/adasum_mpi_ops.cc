@@ -171,6 +171,10 @@ void AdviseHugePages(void* data, int64_t bytes) {
 #endif
 }
 
+// Deadlines missed in this process: read at exit (tf_adasum.comm.mpi) to end
+// the MPI job instead of waiting for stuck peers at MPI_Finalize.
+std::atomic<int> g_deadlines_missed{0};
+
 // Polls MPI requests until they complete or `timeout_seconds` (0: forever)
 // pass. MPI progresses only inside MPI calls (a large message is copied by
 // the receiver's test), so it tests often: yielding the processor between
@@ -179,10 +183,6 @@ void AdviseHugePages(void* data, int64_t bytes) {
 // for. Measured with 4 ranks on 2 cores (float32, Adasum, median ms):
 // 16 MiB 95 -> 86 and 64 MiB 358 -> 264 against yielding for 20 ms first;
 // 64 KiB and 2 ranks unchanged within noise.
-// Deadlines missed in this process: read at exit (tf_adasum.comm.mpi) to end
-// the MPI job instead of waiting for stuck peers at MPI_Finalize.
-std::atomic<int> g_deadlines_missed{0};
-
 class Waiter {
  public:
   Waiter(double timeout_seconds, std::vector<Tensor>* buffers)
