@@ -10,6 +10,7 @@ all-reduce of the weighted updates. The same on every engine. `tf_adasum.referen
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import tensorflow as tf
 
@@ -29,6 +30,24 @@ class AdaConsState:
     weights: tf.Variable
     steps: tf.Variable
     fallbacks: tf.Variable
+
+    def load(self, pairs: list, num_replicas: int) -> None:
+        """Assigns each ``(variable, saved value)`` of an optimizer's variables,
+        except this state's per-replica ones saved at another replica count:
+        then the momentum restarts (as on a first step), with a warning."""
+        restart = None
+        for variable, value in pairs:
+            if any(variable is v for v in (self.momentum, self.weights)) and value.shape != variable.shape:
+                restart = value.shape[-1]
+                continue
+            variable.assign(value)
+        if restart is not None:
+            warnings.warn(
+                f"AdaCons' state was saved with {restart} replicas and this run has {num_replicas}: "
+                "its momentum restarts.",
+                stacklevel=3,
+            )
+            self.steps.assign(0)
 
     def read(self, names: list[str]) -> dict:
         """``{"weights": {name: [w_0, ... w_N-1]}, "fallbacks": count}``, one name per weight group."""

@@ -21,7 +21,6 @@ when the optimizer is built (`tf_adasum.engines.select`) and never asked again.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import keras
@@ -356,22 +355,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         state = self._adacons_state
         if state is None or len(store.keys()) != len(self.variables):
             return super().load_own_variables(store)
-        per_replica = (state.momentum, state.weights)
-        restart = False
-        for i, variable in enumerate(self.variables):
-            value = store[str(i)]
-            if any(keras_step.tf_variable(variable) is v for v in per_replica) and value.shape != variable.shape:
-                restart = True
-                saved_replicas = value.shape[-1]
-                continue
-            variable.assign(value)
-        if restart:
-            warnings.warn(
-                f"AdaCons' state was saved with {saved_replicas} replicas and this run has "
-                f"{self.engine.num_replicas}: its momentum restarts.",
-                stacklevel=2,
-            )
-            state.steps.assign(0)
+        values = [store[str(i)] for i in range(len(self.variables))]
+        state.load(list(zip(map(keras_step.tf_variable, self.variables), values)), self.engine.num_replicas)
 
     def get_config(self):
         return {
