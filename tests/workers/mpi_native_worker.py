@@ -167,8 +167,10 @@ def main(argv) -> int:
         raise SystemExit("the native MPI ops are unavailable (see the warning)")
     comm = MPI.COMM_WORLD
     world = transport.world()
-    for k in sizes:
-        sub = MPI.COMM_SELF if k == 1 else comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank)
+    # Every communicator stays alive: `World.sum_communicators` caches by id(),
+    # which a collected communicator's successor could reuse on some ranks only.
+    subs = [MPI.COMM_SELF if k == 1 else comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank) for k in sizes]
+    for k, sub in zip(sizes, subs):
         if sub != MPI.COMM_NULL and (k > 1 or comm.rank == 0):
             run(sub, k, out, world)
         barrier(comm)

@@ -217,7 +217,7 @@ class World:
         self.node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = world.Split(color=self.local_rank, key=self.rank)
-        self._sum_comms: dict[int, dict[tuple[int, ...], object]] = {}
+        self._sum_comms: dict[int, tuple[object, dict[tuple[int, ...], object]]] = {}
         self._lock = threading.Lock()
         atexit.register(_abort_if_a_deadline_was_missed)  # after mpi4py's finalizer, so it runs first
 
@@ -227,8 +227,9 @@ class World:
         communicator: all of its ranks must call this in the same order."""
         with self._lock:
             if id(comm) not in self._sum_comms:
-                self._sum_comms[id(comm)] = _split_groups(comm, [g for g in groups if len(g) > 1])
-            return self._sum_comms[id(comm)]
+                # The communicator is kept with its groups, so its id() is never reused meanwhile.
+                self._sum_comms[id(comm)] = (comm, _split_groups(comm, [g for g in groups if len(g) > 1]))
+            return self._sum_comms[id(comm)][1]
 
 
 def _split_groups(comm, groups: Sequence[tuple[int, ...]]) -> dict[tuple[int, ...], object]:
