@@ -13,7 +13,7 @@ $(STAMP): setup.py tf_adasum/engines/native/adasum_mpi_ops.cc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
-	$(PY) -m tf_adasum.engines.mpi_native --build \
+	$(PY) -W ignore::RuntimeWarning:runpy -m tf_adasum.engines.mpi_native --build \
 	  || echo "warning: the native MPI ops were not built; the MPI engine will use its slower portable path"
 	touch $(STAMP)
 
