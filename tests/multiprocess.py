@@ -19,14 +19,16 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "workers", "distributed_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
+def load_worker(path: str):
+    """A worker script as a module, for its constants and input generators."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-worker = _load_worker()
+worker = load_worker(WORKER)
 
 
 def worker_env(**extra) -> dict:

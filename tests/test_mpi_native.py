@@ -2,7 +2,6 @@
 against `tf_adasum.reference`, numpy and the Python path of the MPI engine;
 and, in this process, their fallback and argument checks."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
-from multiprocess import TESTS, worker_env
+from multiprocess import TESTS, load_worker, worker_env
 
 from tf_adasum import reference
 from tf_adasum.comm import mpi as transport
@@ -23,14 +22,7 @@ from tf_adasum.engines import mpi_native
 WORKER = os.path.join(TESTS, "workers", "mpi_native_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("mpi_native_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(WORKER)
 
 
 @pytest.fixture(scope="module")
