@@ -32,6 +32,7 @@ LAYERS = {
     "adacons": 7,
     "diagnostics": 7,
     "keras_step": 7,
+    "local_steps": 7,
     "optimizer_args": 7,
     "optimizer": 8,
     "callbacks": 9,

@@ -31,6 +31,18 @@ class AdaConsState:
     steps: tf.Variable
     fallbacks: tf.Variable
 
+    @classmethod
+    def create(cls, make_variable, groups: int, num_replicas: int) -> AdaConsState:
+        """The state, its variables made by ``make_variable(name, shape, dtype)``
+        (zeros, one copy per replica)."""
+        shape = (groups, num_replicas)
+        return cls(
+            momentum=make_variable("adacons_momentum", shape, "float64"),
+            weights=make_variable("adacons_weights", shape, "float64"),
+            steps=make_variable("adacons_steps", (), "int64"),
+            fallbacks=make_variable("adacons_fallbacks", (), "int64"),
+        )
+
     def load(self, pairs: list, num_replicas: int) -> None:
         """Assigns each ``(variable, saved value)`` of an optimizer's variables,
         except this state's per-replica ones saved at another replica count:

@@ -20,7 +20,6 @@ when the optimizer is built (`tf_adasum.engines.select`) and never asked again.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import keras
@@ -30,21 +29,11 @@ from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
 from tf_adasum import keras_step, optimizer_args
+from tf_adasum.local_steps import LocalSteps
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
 
 __all__ = ["AdasumOptimizer"]
-
-
-@dataclasses.dataclass
-class LocalSteps:
-    """The K-step state (``backward_passes_per_step`` > 1): local steps taken,
-    and per variable the weights at the last combine (delta mode) or the
-    summed local gradients since then (gradient mode)."""
-
-    count: tf.Variable
-    starts: list = dataclasses.field(default_factory=list)
-    accumulators: list = dataclasses.field(default_factory=list)
 
 
 @keras.saving.register_keras_serializable(package="tf_adasum")
@@ -162,30 +151,20 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self.engine.check_same_variables(var_list)  # before any variable: creating one is a collective
         self.inner_optimizer.build(var_list)
         super().build(var_list)
-        k = self.backward_passes_per_step
-        reference_copies = lambda name: [self.add_variable_from_reference(v, name=name) for v in var_list]  # noqa: E731
-        self._local_steps = LocalSteps(
-            count=self.add_variable(
-                shape=(), dtype="int64", initializer="zeros", aggregation="none", name="adasum_local_steps"
-            ),
-            starts=reference_copies("adasum_start") if k > 1 and self.mode == "delta" else [],
-            accumulators=reference_copies("adasum_accumulator") if k > 1 and self.mode == "gradient" else [],
-        )
+        count = self._zeros_per_replica("adasum_local_steps", (), "int64")
+        self._local_steps = LocalSteps.create(self, var_list, self.backward_passes_per_step, self.mode, count)
         self._adacons_state = None
         if not self.combiner.pairwise:
-            shape = (len(var_list) if self.combiner.per_tensor else 1, self.engine.num_replicas)
-            make = lambda name, shape, dtype: keras_step.tf_variable(  # noqa: E731
-                self.add_variable(shape=shape, dtype=dtype, initializer="zeros", aggregation="none", name=name)
-            )
-            self._adacons_state = adacons_lib.AdaConsState(
-                momentum=make("adacons_momentum", shape, "float64"),
-                weights=make("adacons_weights", shape, "float64"),
-                steps=make("adacons_steps", (), "int64"),
-                fallbacks=make("adacons_fallbacks", (), "int64"),
-            )
+            groups = len(var_list) if self.combiner.per_tensor else 1
+            make = self._zeros_per_replica
+            self._adacons_state = adacons_lib.AdaConsState.create(make, groups, self.engine.num_replicas)
         if self._diagnostics.enabled:
             self._create_diagnostics()
         self.engine.broadcast_initial(var_list, self.variables)
+
+    def _zeros_per_replica(self, name: str, shape: tuple, dtype: str) -> tf.Variable:
+        variable = self.add_variable(shape=shape, dtype=dtype, initializer="zeros", aggregation="none", name=name)
+        return keras_step.tf_variable(variable)
 
     # -- diagnostics (see tf_adasum.AdasumDiagnostics) ------------------------------
 
@@ -295,7 +274,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     def _accumulating_step(self, strategy, grads, keras_variables):
         variables = [keras_step.tf_variable(v) for v in keras_variables]
         k, state = self.backward_passes_per_step, self._local_steps
-        is_last = tf.equal((state.count + 1) % k, 0)
+        is_last = state.is_last()
         own = lambda slots: [keras_step.tf_variable(slots[self._get_variable_index(v)]) for v in keras_variables]  # noqa: E731
         if self.mode == "delta":
             starts = own(state.starts)
@@ -305,7 +284,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
                     start.assign(variable)
                 return tf.constant(True)
 
-            tf.cond(tf.equal(state.count % k, 0), snapshot, lambda: tf.constant(False))
+            tf.cond(state.is_first(), snapshot, lambda: tf.constant(False))
             keras_step.local_update(strategy, self.inner_optimizer, grads, variables)
 
             def finish():
