@@ -29,9 +29,9 @@ from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
 from tf_adasum import keras_step, optimizer_args
-from tf_adasum.local_steps import LocalSteps
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
+from tf_adasum.local_steps import LocalSteps
 
 __all__ = ["AdasumOptimizer"]
 
