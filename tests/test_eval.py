@@ -46,17 +46,65 @@ def _args(*argv):
     return cli._parse_args(list(argv))
 
 
-def test_quick_preset_compares_at_one_effective_batch():
+def test_quick_preset_shows_scaling():
     configs = cli.build_grid(_args())
-    assert [(c.combiner, c.local_steps) for c in configs] == [
-        ("adasum", 1),
-        ("mean", 1),
-        ("keras", 1),
-        ("adasum", 4),
-        ("adacons", 1),
+    batches = sorted({c.effective_batch for c in configs})
+    assert batches == [256, 1024, 4096]
+    for batch in batches:
+        series = sorted((c.combiner, c.local_steps) for c in configs if c.effective_batch == batch)
+        assert series == [("adasum", 1), ("adasum", 4), ("keras", 1), ("keras-scaled", 1)]
+    assert len({(c.lr, c.schedule, c.target, c.epochs, c.seed) for c in configs}) == 1  # same base settings
+
+
+def test_paper_preset_sweeps_the_effective_batch_at_99_3():
+    configs = cli.build_grid(_args("--preset", "paper"))
+    assert sorted({c.effective_batch for c in configs}) == [256, 1024, 4096, 16384]
+    for batch in (256, 1024, 4096, 16384):
+        series = sorted((c.combiner, c.local_steps) for c in configs if c.effective_batch == batch)
+        assert series == sorted(
+            [("adasum", 1), ("adasum", 4), ("adacons", 1), ("mean", 1), ("keras", 1), ("keras-scaled", 1)]
+        )
+    assert {(c.model, c.replicas, c.lr, c.schedule, c.target, c.epochs) for c in configs} == {
+        ("lenet_caffe", 4, 1e-3, "cosine", 0.993, 10)
+    }
+
+
+def test_recipe_preset_is_one_replica_three_seeds():
+    configs = cli.build_grid(_args("--preset", "recipe"))
+    assert [c.seed for c in configs] == [0, 1, 2]
+    assert {(c.model, c.combiner, c.replicas, c.batch_per_replica, c.epochs) for c in configs} == {
+        ("lenet_caffe", "keras", 1, 64, 10)
+    }
+    assert [c.seed for c in cli.build_grid(_args("--preset", "recipe", "--seed", "5"))] == [5]
+
+
+def test_learning_rate_schedules():
+    from tf_adasum.eval.config import WARMUP_EPOCHS
+    from tf_adasum.eval.runner import learning_rate
+
+    steps = 10  # per epoch
+    cosine = learning_rate(RunConfig(combiner="adasum", lr=1e-3, epochs=4), steps)
+    assert [round(float(cosine(s)), 9) for s in (0, 20, 40)] == [1e-3, 5e-4, 0.0]
+    assert learning_rate(RunConfig(combiner="keras", schedule="constant"), steps) == 1e-3
+    # keras-scaled: 4 x 1024 = 4096 = 64 x BASE_BATCH, so sqrt scaling gives 8x, reached after the warm-up
+    scaled = learning_rate(RunConfig(combiner="keras-scaled", batch_per_replica=1024, epochs=6), steps)
+    warmup = WARMUP_EPOCHS * steps
+    assert [round(float(scaled(s)), 9) for s in (0, warmup // 2, warmup, 60)] == [1e-3, 4.5e-3, 8e-3, 0.0]
+    constant = learning_rate(RunConfig(combiner="keras-scaled", batch_per_replica=1024, schedule="constant"), steps)
+    assert round(float(constant(warmup)), 9) == round(float(constant(1000)), 9) == 8e-3
+
+
+def test_largest_reached():
+    records = [
+        _record("adasum", 4, 64, 1, [0.5, 0.95]),
+        _record("adasum", 4, 256, 1, [0.5, 0.95]),
+        _record("keras", 4, 64, 1, [0.5, 0.95]),
+        _record("keras", 4, 256, 1, [0.5, 0.6]),
     ]
-    assert {c.effective_batch for c in configs} == {1024}
-    assert len({(c.lr, c.target, c.epochs) for c in configs}) == 1  # same base settings for every combiner
+    lines = cli.largest_reached(records)
+    assert len(lines) == 2
+    assert lines[0].endswith("adasum K=1: largest effective batch reaching 0.900: 1024 (of 256, 1024)")
+    assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (of 256, 1024)")
 
 
 def test_custom_grid_skips_keras_with_local_steps():
@@ -76,6 +124,8 @@ def test_custom_grid_skips_keras_with_local_steps():
         (["--engine", "mpi", "--combiners", "keras"], "Received: combiner='keras', engine='mpi'"),
         (["--engine", "nccl"], "Received: engine='nccl'"),
         (["--combiners", "keras", "--local-steps", "2"], "grid is empty"),
+        (["--engine", "mpi", "--combiners", "keras-scaled"], "Received: combiner='keras-scaled', engine='mpi'"),
+        (["--combiners", "keras-scaled", "--local-steps", "2"], "grid is empty"),
     ],
 )
 def test_bad_grid_values(argv, match, capsys):
@@ -87,7 +137,8 @@ def test_bad_grid_values(argv, match, capsys):
 
 REQUIRED_FIELDS = {
     "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
-    "lr", "target", "accuracy_per_epoch", "epochs_until_convergence", "minutes_per_epoch", "final_acc", "best_acc",
+    "seed", "lr", "schedule", "target", "accuracy_per_epoch", "epochs_until_convergence", "minutes_per_epoch", "final_acc",
+    "best_acc",
     "score",
 }  # fmt: skip
 

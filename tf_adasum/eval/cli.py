@@ -22,46 +22,48 @@ import os
 import sys
 
 from tf_adasum.eval import metrics, quiet
-from tf_adasum.eval.config import COMBINERS, ENGINES, TIMING_MODELS, RunConfig
+from tf_adasum.eval.config import COMBINERS, ENGINES, KERAS_BASELINES, SCHEDULES, TIMING_MODELS, RunConfig
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
 __all__ = ["PRESETS", "main"]
 
 
 def _quick() -> list[RunConfig]:
-    """Effective batch 1024 on 4 in-process replicas: Adasum, averaging (through
-    the same collective), Keras' own averaging, Adasum with 4 local steps, and AdaCons."""
-    common = dict(model="lenet5", dataset="mnist", replicas=4, lr=1e-3, target=0.98, epochs=12)
-    return [
-        RunConfig(combiner="adasum", batch_per_replica=256, **common),
-        RunConfig(combiner="mean", batch_per_replica=256, **common),
-        RunConfig(combiner="keras", batch_per_replica=256, **common),
-        RunConfig(combiner="adasum", batch_per_replica=64, local_steps=4, **common),
-        RunConfig(combiner="adacons", batch_per_replica=256, **common),
-    ]
-
-
-def _paper() -> list[RunConfig]:
-    """The long grid: effective batches from 64 to 4096, LeNet-5 on MNIST to 99.3%."""
+    """`make eval`: the scaling question at a target this machine reaches in
+    minutes. LeNet-5 to 98% on 4 in-process replicas at effective batches 256,
+    1024 and 4096: Adasum, Keras' gradient averaging at the base and at the
+    scaled learning rate, and Adasum with 4 local steps."""
+    common = dict(model="lenet5", dataset="mnist", replicas=4, lr=1e-3, target=0.98, epochs=8)
     configs = []
-    for replicas, batch, local_steps, combiner in itertools.product((2, 4, 8), (32, 128), (1, 4), COMBINERS):
-        if combiner == "keras" and local_steps > 1:
-            continue
-        configs.append(
-            RunConfig(
-                combiner=combiner,
-                replicas=replicas,
-                batch_per_replica=batch,
-                local_steps=local_steps,
-                lr=1e-3,
-                target=0.993,
-                epochs=30,
-            )
-        )
+    for batch in (64, 256, 1024):
+        for combiner in ("adasum", "keras", "keras-scaled"):
+            configs.append(RunConfig(combiner=combiner, batch_per_replica=batch, **common))
+        configs.append(RunConfig(combiner="adasum", batch_per_replica=batch // 4, local_steps=4, **common))
     return configs
 
 
-PRESETS = {"quick": _quick, "paper": _paper}
+def _recipe() -> list[RunConfig]:
+    """The recipe's single-replica check (run with ``--no-stop``): the model and
+    schedule of the paper preset, one replica at batch 64, three seeds."""
+    common = dict(model="lenet_caffe", combiner="keras", replicas=1, batch_per_replica=64, target=0.993, epochs=10)
+    return [RunConfig(seed=seed, **common) for seed in (0, 1, 2)]
+
+
+def _paper() -> list[RunConfig]:
+    """The sweep at the evaluation's own target: LeNet (Caffe's sizes) to 99.3%
+    MNIST test accuracy within 10 epochs, 4 replicas, effective batches 256 to
+    16384 (batch per replica 64 to 4096; Adasum with 4 local steps at a quarter
+    of that), every combiner and both averaging baselines, seed 0."""
+    common = dict(model="lenet_caffe", dataset="mnist", replicas=4, lr=1e-3, target=0.993, epochs=10)
+    configs = []
+    for batch in (64, 256, 1024, 4096):
+        for combiner in ("adasum", "adacons", "mean", "keras", "keras-scaled"):
+            configs.append(RunConfig(combiner=combiner, batch_per_replica=batch, **common))
+        configs.append(RunConfig(combiner="adasum", batch_per_replica=batch // 4, local_steps=4, **common))
+    return configs
+
+
+PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper}
 
 
 def _parse_args(argv):
@@ -76,10 +78,11 @@ def _parse_args(argv):
     parser.add_argument("--replicas", type=int, nargs="+")
     parser.add_argument("--batch-per-replica", type=int, nargs="+")
     parser.add_argument("--local-steps", type=int, nargs="+")
-    parser.add_argument("--lr", type=float)
+    parser.add_argument("--lr", type=float, help="base learning rate (Adam; default 1e-3)")
+    parser.add_argument("--schedule", choices=SCHEDULES, help="cosine (default: to 0 over --epochs) or constant")
     parser.add_argument("--target", type=float)
     parser.add_argument("--epochs", type=int, help="epoch budget per run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", help="random seeds (default: the preset's, else 0)")
     parser.add_argument("--train-examples", type=int, default=0, help="use only the first N training images (0: all)")
     parser.add_argument("--test-examples", type=int, default=0, help="use only the first N test images (0: all)")
     parser.add_argument("--timing-steps", type=int, default=3, help="timed steps per combiner (resnet50, bert)")
@@ -106,13 +109,14 @@ def build_grid(args) -> list[RunConfig]:
         "replicas": args.replicas,
         "batch_per_replica": args.batch_per_replica,
         "local_steps": args.local_steps,
+        "seed": args.seed,
     }
     scalars = {
         "engine": args.engine,
         "lr": args.lr,
+        "schedule": args.schedule,
         "target": args.target,
         "epochs": args.epochs,
-        "seed": args.seed,
         "train_examples": args.train_examples,
         "test_examples": args.test_examples,
     }
@@ -122,8 +126,8 @@ def build_grid(args) -> list[RunConfig]:
         for combination in itertools.product(*choices):
             changed = dict(combination, **{k: v for k, v in scalars.items() if v is not None})
             candidate = dataclasses.replace(config, **changed)
-            if candidate.combiner == "keras" and candidate.local_steps > 1:
-                continue  # the Keras baseline has no local steps
+            if candidate.combiner in KERAS_BASELINES and candidate.local_steps > 1:
+                continue  # the Keras baselines have no local steps
             if candidate not in configs:
                 configs.append(candidate.validate())
     if not configs:
@@ -137,8 +141,8 @@ def _config_of(record: dict) -> RunConfig:
 
 CSV_FIELDS = [
     "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
-    "lr", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score", "final_acc", "best_acc",
-    "accuracy_per_epoch",
+    "seed", "lr", "schedule", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score",
+    "final_acc", "best_acc", "accuracy_per_epoch",
 ]  # fmt: skip
 
 
@@ -161,6 +165,7 @@ def format_table(records: list[dict]) -> str:
         "batch",
         "local",
         "eff.batch",
+        "seed",
         "target",
         "epochs",
         "min/epoch",
@@ -173,7 +178,7 @@ def format_table(records: list[dict]) -> str:
         rows.append(
             [
                 r["model"], r["dataset"], r["combiner"], str(r["replicas"]), str(r["batch_per_replica"]),
-                str(r["local_steps"]), str(r["effective_batch"]), f"{r['target']:.3f}",
+                str(r["local_steps"]), str(r["effective_batch"]), str(r["seed"]), f"{r['target']:.3f}",
                 str(epochs) if epochs > 0 else f">{len(r['accuracy_per_epoch'])}",
                 f"{r['minutes_per_epoch']:.2f}", metrics.format_score(r["score"]), f"{r['best_acc']:.4f}",
             ]
@@ -182,6 +187,24 @@ def format_table(records: list[dict]) -> str:
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def largest_reached(records: list[dict]) -> list[str]:
+    """Per model, dataset, replicas, combiner and local steps: the largest
+    effective batch whose run reached its target (every seed of it), one line each."""
+    groups: dict[tuple, dict[int, bool]] = {}
+    for r in records:
+        key = (r["model"], r["dataset"], r["replicas"], r["combiner"], r["local_steps"], r["target"])
+        reached = groups.setdefault(key, {})
+        batch = r["effective_batch"]
+        reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
+    lines = []
+    for (model, dataset, replicas, combiner, k, target), reached in groups.items():
+        batches = sorted(b for b, ok in reached.items() if ok)
+        tried = f"of {', '.join(map(str, sorted(reached)))}"
+        largest = f"largest effective batch reaching {target:.3f}: {batches[-1] if batches else 'none'} ({tried})"
+        lines.append(f"{model} / {dataset}, N={replicas}, {combiner} K={k}: {largest}")
+    return lines
 
 
 class _Progress:
@@ -339,6 +362,9 @@ def _run_grid(args, plan: _Plan) -> None:
     print()
     print(format_table(selected))
     print()
+    if len({r["effective_batch"] for r in selected}) > 1:
+        print("\n".join(largest_reached(selected)))
+        print()
     for path in [results_path, os.path.join(args.out, "results.csv"), *plot(selected, args.out)]:
         print(f"wrote {path}")
 

@@ -10,14 +10,35 @@ import dataclasses
 
 from tf_adasum.eval.data import DATASETS
 
-__all__ = ["COMBINERS", "ENGINES", "TIMING_MODELS", "TRAINING_MODELS", "RunConfig"]
+__all__ = [
+    "BASE_BATCH",
+    "COMBINERS",
+    "ENGINES",
+    "KERAS_BASELINES",
+    "SCHEDULES",
+    "TIMING_MODELS",
+    "TRAINING_MODELS",
+    "WARMUP_EPOCHS",
+    "RunConfig",
+]
 
-COMBINERS = ("adasum", "adacons", "mean", "sum", "keras")
+COMBINERS = ("adasum", "adacons", "mean", "sum", "keras", "keras-scaled")
+#: Combiners without local steps: Keras' own gradient averaging, at the base
+#: learning rate (``keras``) or scaled to the effective batch (``keras-scaled``).
+KERAS_BASELINES = ("keras", "keras-scaled")
 ENGINES = ("local-devices", "tf-collective", "mpi")
 #: Trained to a target accuracy.
-TRAINING_MODELS = ("lenet5", "resnet")
+TRAINING_MODELS = ("lenet_caffe", "lenet5", "resnet")
 #: Timed on synthetic data (time per step, communication share).
 TIMING_MODELS = ("resnet50", "bert")
+#: Learning rate over a run: ``constant``, or ``cosine``: decayed from the base
+#: rate to zero over the run's epoch budget, per epoch (the same at every batch size).
+SCHEDULES = ("cosine", "constant")
+#: The batch the base learning rate is meant for (the recipe's single-replica
+#: batch); ``keras-scaled`` multiplies the rate by sqrt(effective batch / BASE_BATCH).
+BASE_BATCH = 64
+#: ``keras-scaled`` ramps linearly from the base to the scaled rate over these first epochs.
+WARMUP_EPOCHS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +53,7 @@ class RunConfig:
     batch_per_replica: int = 32
     local_steps: int = 1
     lr: float = 1e-3
+    schedule: str = "cosine"
     target: float = 0.98
     epochs: int = 10
     seed: int = 0
@@ -55,11 +77,13 @@ class RunConfig:
             raise ValueError(f"Unknown `combiner`. Expected one of {COMBINERS}. Received: combiner={self.combiner!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"Unknown `engine`. Expected one of {ENGINES}. Received: engine={self.engine!r}")
-        if self.engine == "mpi" and self.combiner == "keras":
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Unknown `schedule`. Expected one of {SCHEDULES}. Received: schedule={self.schedule!r}")
+        if self.engine == "mpi" and self.combiner in KERAS_BASELINES:
             raise ValueError(
-                "The `keras` baseline has no MPI path: without a strategy Keras does not all-reduce gradients "
-                "across MPI ranks. Use engine='tf-collective' or 'local-devices'. Received: combiner='keras', "
-                "engine='mpi'"
+                f"The `{self.combiner}` baseline has no MPI path: without a strategy Keras does not all-reduce "
+                "gradients across MPI ranks. Use engine='tf-collective' or 'local-devices'. Received: "
+                f"combiner={self.combiner!r}, engine='mpi'"
             )
         for name in ("replicas", "batch_per_replica", "local_steps", "epochs"):
             value = getattr(self, name)
@@ -73,9 +97,9 @@ class RunConfig:
             raise ValueError(f"`target` must be in (0, 1]. Received: target={self.target}")
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0. Received: lr={self.lr}")
-        if self.combiner == "keras" and self.local_steps != 1:
+        if self.combiner in KERAS_BASELINES and self.local_steps != 1:
             raise ValueError(
-                "The `keras` baseline (plain gradient averaging) has no local steps. "
-                f"Received: combiner='keras', local_steps={self.local_steps}"
+                f"The `{self.combiner}` baseline (plain gradient averaging) has no local steps. "
+                f"Received: combiner={self.combiner!r}, local_steps={self.local_steps}"
             )
         return self

@@ -1,7 +1,9 @@
 """Models of the scaling evaluation.
 
-Trained to a target accuracy: ``lenet5`` (the paper's MNIST setting) and
-``resnet`` (a small ResNet for 28x28 images, for Fashion-MNIST). Timed on
+Trained to a target accuracy: ``lenet_caffe`` (the evaluation's recipe for
+MNIST at 99.3%), ``lenet5`` (LeCun et al. 1998's layer sizes; five times
+cheaper, without headroom at 99.3%) and ``resnet`` (a small ResNet for 28x28
+images, for Fashion-MNIST). None uses batch normalisation except ``resnet``. Timed on
 synthetic data (``--model resnet50``, ``--model bert``): a ResNet-50 at 64x64
 and a small BERT-style encoder, for time per step and communication share.
 """
@@ -29,6 +31,28 @@ def lenet5(input_shape=(28, 28, 1), classes=10) -> keras.Model:
             keras.layers.Dense(classes),
         ],
         name="lenet5",
+    )
+
+
+def lenet_caffe(input_shape=(28, 28, 1), classes=10) -> keras.Model:
+    """The layer sizes of Caffe's MNIST LeNet (examples/mnist/lenet_train_test.prototxt:
+    conv 20 5x5, max-pool 2, conv 50 5x5, max-pool 2, dense 500, dense 10), with
+    a ReLU after each convolution and dropout 0.5 before the last layer, which
+    Caffe's has not. 431,080 parameters, 2.3 million multiply-adds per image;
+    no batch normalisation."""
+    return keras.Sequential(
+        [
+            keras.Input(input_shape),
+            keras.layers.Conv2D(20, 5, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(50, 5, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(500, activation="relu"),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(classes),
+        ],
+        name="lenet_caffe",
     )
 
 
@@ -75,7 +99,13 @@ def small_bert(sequence_length=64, vocabulary=8000, hidden=128, layers=2, heads=
     return keras.Model(tokens, keras.layers.Dense(classes)(x[:, 0]), name="small_bert")
 
 
-_BUILDERS = {"lenet5": lenet5, "resnet": small_resnet, "resnet50": resnet50, "bert": small_bert}
+_BUILDERS = {
+    "lenet_caffe": lenet_caffe,
+    "lenet5": lenet5,
+    "resnet": small_resnet,
+    "resnet50": resnet50,
+    "bert": small_bert,
+}
 
 
 def build(name: str) -> keras.Model:

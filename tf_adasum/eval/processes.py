@@ -118,8 +118,6 @@ def _main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import keras
-    import numpy as np
-    import tensorflow as tf
 
     from tf_adasum.eval import runner
     from tf_adasum.eval.data import as_float_images, load_dataset, training_stream
@@ -136,17 +134,13 @@ def _main(argv=None) -> None:
         dataset = train
         train = processes.strategy.distribute_datasets_from_function(lambda context: dataset)
     with processes.scope():
-        model = runner.compiled_model(config, jit_compile=False)
+        model = runner.compiled_model(config, steps_per_epoch, jit_compile=False)
     test_images, test_labels = as_float_images(x_test[rank::size]), y_test[rank::size]
-    predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1))
+    count_correct = runner.correct_counter(model, test_images, test_labels)
 
     def measure_accuracy(_model):
         """This process's shard of the test set, counts summed over the processes."""
-        correct = sum(
-            int(np.sum(predict(test_images[i : i + 1000]).numpy() == test_labels[i : i + 1000]))
-            for i in range(0, len(test_images), 1000)
-        )
-        total_correct, total = processes.sum([correct, len(test_labels)])
+        total_correct, total = processes.sum([count_correct(), len(test_labels)])
         return total_correct / total
 
     def report(epoch, accuracy, seconds):

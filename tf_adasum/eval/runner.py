@@ -1,8 +1,10 @@
 """One run of the scaling evaluation: train a model to a target accuracy.
 
-Every combiner in a grid trains with the same base learning rate and optimizer
-settings (Adam), as in the paper. ``keras`` is the plain inner optimizer under
-the same strategy (Keras' gradient averaging, what users run today); the others
+Every combiner in a grid trains with the same base learning rate, schedule and
+optimizer settings (Adam), as in the paper: no per-combiner tuning. ``keras``
+is the plain inner optimizer under the same strategy (Keras' gradient
+averaging, what users run today), ``keras-scaled`` the same with the learning
+rate scaled to the effective batch and warmed up (`learning_rate`); the others
 go through `tf_adasum.AdasumOptimizer` in delta mode with `local_steps` local
 steps per combine.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import platform
 import statistics
 import sys
@@ -20,7 +23,7 @@ from collections.abc import Callable
 import keras
 
 from tf_adasum.eval import metrics
-from tf_adasum.eval.config import COMBINERS, ENGINES, RunConfig
+from tf_adasum.eval.config import BASE_BATCH, COMBINERS, ENGINES, KERAS_BASELINES, WARMUP_EPOCHS, RunConfig
 
 __all__ = [
     "COMBINERS",
@@ -28,6 +31,8 @@ __all__ = [
     "EpochEnd",
     "RunConfig",
     "compiled_model",
+    "correct_counter",
+    "learning_rate",
     "optimizer_for",
     "record",
     "run",
@@ -35,12 +40,40 @@ __all__ = [
 ]  # COMBINERS, ENGINES and RunConfig live in tf_adasum.eval.config (no TensorFlow there)
 
 
-def optimizer_for(config: RunConfig):
-    """The configuration's optimizer: Adam, wrapped unless it is the `keras` baseline."""
+def learning_rate(config: RunConfig, steps_per_epoch: int):
+    """The configuration's learning rate: a float, or a Keras schedule over the
+    optimizer's iterations (local steps), defined per epoch so that it means the
+    same at every batch size.
+
+    ``cosine``: from ``lr`` down to 0 over the epoch budget. ``keras-scaled``
+    (Goyal et al. 2017's recipe with the square-root rule usual for Adam,
+    Hoffer et al. 2017): the peak is ``lr * sqrt(effective batch / BASE_BATCH)``,
+    reached by a linear warm-up from ``lr`` over the first `WARMUP_EPOCHS`
+    epochs, then the same cosine to 0 (a constant schedule keeps the peak
+    after the warm-up).
+    """
+    peak, warmup_steps = config.lr, 0
+    if config.combiner == "keras-scaled":
+        peak = config.lr * math.sqrt(config.effective_batch / BASE_BATCH)
+        warmup_steps = min(WARMUP_EPOCHS, config.epochs) * steps_per_epoch
+    if config.schedule == "constant" and not warmup_steps:
+        return config.lr
+    return keras.optimizers.schedules.CosineDecay(
+        config.lr,
+        decay_steps=max(1, config.epochs * steps_per_epoch - warmup_steps),
+        alpha=1.0 if config.schedule == "constant" else 0.0,  # 1.0: no decay
+        warmup_target=peak if warmup_steps else None,
+        warmup_steps=warmup_steps,
+    )
+
+
+def optimizer_for(config: RunConfig, steps_per_epoch: int):
+    """The configuration's optimizer: Adam at `learning_rate`, wrapped unless it
+    is one of the Keras baselines."""
     import tf_adasum
 
-    inner = keras.optimizers.Adam(config.lr)
-    if config.combiner == "keras":
+    inner = keras.optimizers.Adam(learning_rate(config, steps_per_epoch))
+    if config.combiner in KERAS_BASELINES:
         return inner
     return tf_adasum.AdasumOptimizer(inner, combiner=config.combiner, backward_passes_per_step=config.local_steps)
 
@@ -100,11 +133,10 @@ def run(
         devices[: config.replicas], cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
     )
     with strategy.scope():
-        model = compiled_model(config)
+        model = compiled_model(config, steps_per_epoch)
+    count_correct = correct_counter(model, x_test, y_test)
     epoch_end = EpochEnd(
-        lambda model: float(model.evaluate(x_test, y_test, batch_size=1000, verbose=0)[1]),
-        config.target if stop_at_target else None,
-        progress,
+        lambda _model: count_correct() / len(y_test), config.target if stop_at_target else None, progress
     )
     # shuffle=False: the stream is shuffled already (Keras would warn that it ignores shuffle=True).
     model.fit(
@@ -113,18 +145,33 @@ def run(
     return record(config, epoch_end.accuracy, epoch_end.seconds, stop_at_target)
 
 
-def compiled_model(config: RunConfig, **compile_options):
+def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
     """The configuration's model, compiled with its optimizer (call in the strategy's scope)."""
     from tf_adasum.eval.models import build
 
     model = build(config.model)
     model.compile(
-        optimizer=optimizer_for(config),
+        optimizer=optimizer_for(config, steps_per_epoch),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         **compile_options,
     )
     return model
+
+
+def correct_counter(model, images, labels, batch: int = 1000) -> Callable[[], int]:
+    """``() -> the number of `images` (float32) that `model` classifies as `labels```.
+
+    A traced prediction function over fixed batches: `model.evaluate` inside a
+    running `fit` makes a second distributed iterator each time, and two of
+    three concurrent single-replica runs died in a TensorFlow thread at that
+    point (segfault) on 2026-11-30."""
+    import numpy as np
+    import tensorflow as tf
+
+    predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1, output_type=tf.int32))
+    batches = [(images[i : i + batch], labels[i : i + batch]) for i in range(0, len(images), batch)]
+    return lambda: sum(int(np.sum(predict(x).numpy() == y)) for x, y in batches)
 
 
 class EpochEnd(keras.callbacks.Callback):

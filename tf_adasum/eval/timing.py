@@ -14,6 +14,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from tf_adasum.eval.config import KERAS_BASELINES
+
 __all__ = ["time_model"]
 
 
@@ -50,7 +52,7 @@ def time_model(name: str, combiner: str, replicas: int, batch_per_replica: int, 
         keras.utils.set_random_seed(0)
         model = build(name)
         inner = keras.optimizers.Adam(1e-4)
-        optimizer = inner if combiner == "keras" else tf_adasum.AdasumOptimizer(inner, combiner=combiner)
+        optimizer = inner if combiner in KERAS_BASELINES else tf_adasum.AdasumOptimizer(inner, combiner=combiner)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _synthetic_batch(name, replicas * batch_per_replica, np.random.default_rng(0))
     step = _median_seconds(lambda: model.train_on_batch(x, y), steps)
@@ -62,7 +64,7 @@ def time_model(name: str, combiner: str, replicas: int, batch_per_replica: int, 
             )
             for v in model.trainable_variables
         ]
-        if combiner == "keras":
+        if combiner in KERAS_BASELINES:  # the same all-reduce (a learning rate does not change a step's time)
             pairs = [(v, v) for v in values]
             combine = tf.function(lambda: strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs))
         else:
