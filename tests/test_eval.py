@@ -101,8 +101,11 @@ def test_largest_reached():
         _record("keras", 4, 64, 1, [0.5, 0.95]),
         _record("keras", 4, 256, 1, [0.5, 0.6]),
     ]
-    lines = cli.largest_reached(records)
-    assert len(lines) == 2
+    lines = cli.largest_reached(records + [_record("mean", 4, 64, 1, [0.5, 0.6])])
+    assert len(lines) == 3
+    assert lines[2].endswith("mean K=1: largest effective batch reaching 0.900: none (of 256)")
+    seeds = [_record("adasum", 4, 64, 1, [0.95]), {**_record("adasum", 4, 64, 1, [0.5]), "seed": 1}]
+    assert cli.largest_reached(seeds)[0].endswith(": none (of 256)")  # every seed must reach it
     assert lines[0].endswith("adasum K=1: largest effective batch reaching 0.900: 1024 (of 256, 1024)")
     assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (of 256, 1024)")
 
@@ -137,22 +140,22 @@ def test_bad_grid_values(argv, match, capsys):
 
 REQUIRED_FIELDS = {
     "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
-    "seed", "lr", "schedule", "target", "accuracy_per_epoch", "epochs_until_convergence", "minutes_per_epoch", "final_acc",
-    "best_acc",
-    "score",
+    "seed", "lr", "schedule", "target", "accuracy_per_epoch", "epochs_until_convergence", "minutes_per_epoch",
+    "final_acc", "best_acc", "score",
 }  # fmt: skip
 
 
 def test_tiny_end_to_end_and_resume(tmp_path, capsys):
     argv = [
-        "--combiners", "adasum", "keras", "--replicas", "2", "--batch-per-replica", "16", "--epochs", "1",
+        "--combiners", "adasum", "keras", "keras-scaled", "--replicas", "2", "--batch-per-replica", "16",
+        "--epochs", "1",
         "--train-examples", "320", "--test-examples", "200", "--target", "0.5", "--out", str(tmp_path),
     ]  # fmt: skip
     (tmp_path / "results.jsonl").write_text('{"from": "an earlier run"}\n')  # replaced by the first new record
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     records = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
-    assert [r["combiner"] for r in records] == ["adasum", "keras"]
+    assert [r["combiner"] for r in records] == ["adasum", "keras", "keras-scaled"]
     for record in records:
         assert REQUIRED_FIELDS <= set(record)
         assert record["effective_batch"] == 32 and len(record["accuracy_per_epoch"]) == 1
@@ -161,13 +164,13 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
         assert record["epochs_until_convergence"] == expected_epochs
         assert (record["score"] is None) == (expected_epochs == -1)
     rows = list(csv.DictReader(open(tmp_path / "results.csv", encoding="utf-8")))
-    assert [row["combiner"] for row in rows] == ["adasum", "keras"]
+    assert [row["combiner"] for row in rows] == ["adasum", "keras", "keras-scaled"]
     assert "eff.batch" in out and "min/epoch" in out
     for name in ("accuracy.png", "scaling.png"):
         assert os.path.getsize(tmp_path / name) > 1000
 
     assert cli.main([*argv, "--resume"]) == 0
-    assert "2 configurations, 2 already done" in capsys.readouterr().out
+    assert "3 configurations, 3 already done" in capsys.readouterr().out
     again = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
     assert again == records
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import keras
 import tensorflow as tf
 
 __all__ = ["LocalSteps"]
@@ -27,7 +28,9 @@ class LocalSteps:
     accumulators: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def create(cls, optimizer, var_list: list, k: int, mode: str, count: tf.Variable) -> LocalSteps:
+    def create(
+        cls, optimizer: keras.optimizers.Optimizer, var_list: list, k: int, mode: str, count: tf.Variable
+    ) -> LocalSteps:
         """The state of `optimizer` (a Keras optimizer being built) for `var_list`."""
         copies = lambda name: [optimizer.add_variable_from_reference(v, name=name) for v in var_list]  # noqa: E731
         return cls(

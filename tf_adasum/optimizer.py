@@ -273,7 +273,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def _accumulating_step(self, strategy, grads, keras_variables):
         variables = [keras_step.tf_variable(v) for v in keras_variables]
-        k, state = self.backward_passes_per_step, self._local_steps
+        state = self._local_steps
+        k = state.k
         is_last = state.is_last()
         own = lambda slots: [keras_step.tf_variable(slots[self._get_variable_index(v)]) for v in keras_variables]  # noqa: E731
         if self.mode == "delta":

@@ -53,7 +53,7 @@ def _paper() -> list[RunConfig]:
     """The sweep at the evaluation's own target: LeNet (Caffe's sizes) to 99.3%
     MNIST test accuracy within 10 epochs, 4 replicas, effective batches 256 to
     16384 (batch per replica 64 to 4096; Adasum with 4 local steps at a quarter
-    of that), every combiner and both averaging baselines, seed 0."""
+    of that): Adasum, AdaCons, `mean` and both averaging baselines, seed 0."""
     common = dict(model="lenet_caffe", dataset="mnist", replicas=4, lr=1e-3, target=0.993, epochs=10)
     configs = []
     for batch in (64, 256, 1024, 4096):
@@ -70,7 +70,9 @@ def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="tf-adasum eval", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a ready grid (default: quick, if no grid is given)")
     parser.add_argument(
-        "--models", nargs="+", help="lenet5, resnet (trained to the target); resnet50, bert (timed on synthetic data)"
+        "--models",
+        nargs="+",
+        help="lenet_caffe, lenet5, resnet (trained to the target); resnet50, bert (timed on synthetic data)",
     )
     parser.add_argument("--datasets", nargs="+", help="mnist, fashion_mnist")
     parser.add_argument("--combiners", nargs="+", help=", ".join(COMBINERS))
@@ -131,7 +133,7 @@ def build_grid(args) -> list[RunConfig]:
             if candidate not in configs:
                 configs.append(candidate.validate())
     if not configs:
-        raise ValueError("The grid is empty (the `keras` combiner runs only at --local-steps 1).")
+        raise ValueError("The grid is empty (the `keras` and `keras-scaled` combiners run only at --local-steps 1).")
     return configs
 
 
@@ -190,8 +192,11 @@ def format_table(records: list[dict]) -> str:
 
 
 def largest_reached(records: list[dict]) -> list[str]:
-    """Per model, dataset, replicas, combiner and local steps: the largest
-    effective batch whose run reached its target (every seed of it), one line each."""
+    """Per model, dataset, replicas, combiner, local steps and target: the
+    largest effective batch whose runs (every seed) reached the target, one
+    line each, with the batches tried (a smaller batch may have failed where
+    a larger one succeeded; the table shows each). Runs of one grid share the
+    learning rate, schedule and budget."""
     groups: dict[tuple, dict[int, bool]] = {}
     for r in records:
         key = (r["model"], r["dataset"], r["replicas"], r["combiner"], r["local_steps"], r["target"])
@@ -209,8 +214,8 @@ def largest_reached(records: list[dict]) -> list[str]:
 
 class _Progress:
     def __init__(self, index: int, total: int, config: RunConfig):
-        settings = f"N={config.replicas} b={config.batch_per_replica} K={config.local_steps}"
-        self.prefix = f"[{index}/{total}] {config.combiner:>6} {settings}"
+        settings = f"N={config.replicas} b={config.batch_per_replica} K={config.local_steps} seed={config.seed}"
+        self.prefix = f"[{index}/{total}] {config.combiner:>12} {settings}"
         self.epochs = config.epochs
         self.tty = sys.stdout.isatty()
 

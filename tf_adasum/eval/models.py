@@ -3,7 +3,7 @@
 Trained to a target accuracy: ``lenet_caffe`` (the evaluation's recipe for
 MNIST at 99.3%), ``lenet5`` (LeCun et al. 1998's layer sizes; five times
 cheaper, without headroom at 99.3%) and ``resnet`` (a small ResNet for 28x28
-images, for Fashion-MNIST). None uses batch normalisation except ``resnet``. Timed on
+images, for Fashion-MNIST). Of the trained models only ``resnet`` uses batch normalisation. Timed on
 synthetic data (``--model resnet50``, ``--model bert``): a ResNet-50 at 64x64
 and a small BERT-style encoder, for time per step and communication share.
 """

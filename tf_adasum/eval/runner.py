@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import keras
+import numpy as np
 
 from tf_adasum.eval import metrics
 from tf_adasum.eval.config import BASE_BATCH, COMBINERS, ENGINES, KERAS_BASELINES, WARMUP_EPOCHS, RunConfig
@@ -40,22 +41,24 @@ __all__ = [
 ]  # COMBINERS, ENGINES and RunConfig live in tf_adasum.eval.config (no TensorFlow there)
 
 
-def learning_rate(config: RunConfig, steps_per_epoch: int):
+def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.optimizers.schedules.LearningRateSchedule:
     """The configuration's learning rate: a float, or a Keras schedule over the
-    optimizer's iterations (local steps), defined per epoch so that it means the
-    same at every batch size.
+    optimizer's iterations, defined per epoch so that it means the same at
+    every batch size. The evaluation runs delta mode, where ``iterations``
+    counts local steps: one per training step, whatever the local steps K.
 
     ``cosine``: from ``lr`` down to 0 over the epoch budget. ``keras-scaled``
     (Goyal et al. 2017's recipe with the square-root rule usual for Adam,
     Hoffer et al. 2017): the peak is ``lr * sqrt(effective batch / BASE_BATCH)``,
     reached by a linear warm-up from ``lr`` over the first `WARMUP_EPOCHS`
     epochs, then the same cosine to 0 (a constant schedule keeps the peak
-    after the warm-up).
+    after the warm-up). Where the scaled rate is not above the base rate
+    (effective batch <= BASE_BATCH) there is no warm-up: it is `keras`.
     """
     peak, warmup_steps = config.lr, 0
     if config.combiner == "keras-scaled":
         peak = config.lr * math.sqrt(config.effective_batch / BASE_BATCH)
-        warmup_steps = min(WARMUP_EPOCHS, config.epochs) * steps_per_epoch
+        warmup_steps = min(WARMUP_EPOCHS, config.epochs) * steps_per_epoch if peak > config.lr else 0
     if config.schedule == "constant" and not warmup_steps:
         return config.lr
     return keras.optimizers.schedules.CosineDecay(
@@ -67,7 +70,7 @@ def learning_rate(config: RunConfig, steps_per_epoch: int):
     )
 
 
-def optimizer_for(config: RunConfig, steps_per_epoch: int):
+def optimizer_for(config: RunConfig, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     """The configuration's optimizer: Adam at `learning_rate`, wrapped unless it
     is one of the Keras baselines."""
     import tf_adasum
@@ -159,14 +162,13 @@ def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
     return model
 
 
-def correct_counter(model, images, labels, batch: int = 1000) -> Callable[[], int]:
-    """``() -> the number of `images` (float32) that `model` classifies as `labels```.
+def correct_counter(model: keras.Model, images: np.ndarray, labels: np.ndarray, batch: int = 1000) -> Callable[[], int]:
+    """A function returning how many of `images` (float32) `model` classifies as `labels`.
 
     A traced prediction function over fixed batches: `model.evaluate` inside a
     running `fit` makes a second distributed iterator each time, and two of
     three concurrent single-replica runs died in a TensorFlow thread at that
     point (segfault) on 2026-11-30."""
-    import numpy as np
     import tensorflow as tf
 
     predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1, output_type=tf.int32))
