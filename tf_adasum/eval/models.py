@@ -37,12 +37,14 @@ def lenet5(input_shape=(28, 28, 1), classes=10) -> keras.Model:
 def lenet_caffe(input_shape=(28, 28, 1), classes=10) -> keras.Model:
     """The layer sizes of Caffe's MNIST LeNet (examples/mnist/lenet_train_test.prototxt:
     conv 20 5x5, max-pool 2, conv 50 5x5, max-pool 2, dense 500, dense 10), with
-    a ReLU after each convolution and dropout 0.5 before the last layer, which
-    Caffe's has not. 431,080 parameters, 2.3 million multiply-adds per image;
-    no batch normalisation."""
+    what Caffe's has not: random shifts of up to 2 pixels while training, a ReLU
+    after each convolution and dropout 0.5 before the last layer. 431,080
+    parameters, 2.3 million multiply-adds per image; no batch normalisation.
+    Without the shifts one of three seeds peaked at 99.35% within 10 epochs."""
     return keras.Sequential(
         [
             keras.Input(input_shape),
+            keras.layers.RandomTranslation(2 / 28, 2 / 28, fill_mode="constant"),
             keras.layers.Conv2D(20, 5, activation="relu"),
             keras.layers.MaxPooling2D(2),
             keras.layers.Conv2D(50, 5, activation="relu"),
