@@ -19,6 +19,17 @@ Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
   native_ms    the native SUM all-reduce above
   rvh_sum_ms   the same vector-halving collective with a plain sum (transport alone)
   ratio        adasum_ms / native_ms;  ratio_rvh_sum  rvh_sum_ms / native_ms
+  dots_ms      all replicas at once, on the collective's own devices or
+               processes: one fused float64-accumulated pass giving
+               [a.b, |a|^2, |b|^2] (``tf_adasum.ops.partial_dots``, the
+               kernel of the TF path) over exactly the slices each replica
+               holds at each level of the tree (S/2, S/4, ... S/N of an
+               S-element buffer, plus the whole buffer for the fold when N is
+               not a power of two), summed over the levels
+  floor_ms     native_ms + dots_ms: what a sum plus the extra read for the
+               dot products costs; ratio_to_floor = adasum_ms / floor_ms. A
+               reference, not a bound: a design that computes the dot
+               products while data arrives may beat it.
 Times are medians over repeats of one call each (TF paths inside a tf.function
 traced beforehand; process engines start each call together after a barrier;
 MPI ranks call the methods in turn within each repeat).
@@ -128,6 +139,42 @@ def _spawn(engine, n, args):
             print(line[len(prefix) :], flush=True)
 
 
+def level_slices(elements: int, n: int) -> list[int]:
+    """The slice length each replica runs the dot products over, per level of
+    the tree for `n` replicas: the fold (whole buffer) when `n` is not a power
+    of two, then halves, quarters, ... (rounded up to whole blocks)."""
+    from tf_adasum import ops, rvh
+
+    leaves, folded = rvh.tree_shape(n)
+    blocks = -(-elements // ops.BLOCK)
+    slices = [blocks] if folded else []
+    for level in range(1, leaves.bit_length()):
+        slices.append(-(-blocks // (1 << level)))
+    return [b * ops.BLOCK for b in slices]
+
+
+def _dots_inputs(elements, n, dtype, seed):
+    """Per level, a ``[2, slice]`` operand pair for `partial_dots`."""
+    return [
+        tf.cast(tf.random.stateless_normal([2, m], seed=[seed, 11 + i]), dtype)
+        for i, m in enumerate(level_slices(elements, n))
+    ]
+
+
+def _dots(pairs):
+    """The dot products of every level, as the TF path computes them."""
+    from tf_adasum import ops
+
+    return [ops.partial_dots(x, ops.Segments.single()) for x in pairs]
+
+
+def _with_floor(record, dots_ms):
+    record["dots_ms"] = round(dots_ms, 3)
+    record["floor_ms"] = round(record["native_ms"] + dots_ms, 3)
+    record["ratio_to_floor"] = round(record["adasum_ms"] / record["floor_ms"], 3)
+    return record
+
+
 def _record(engine, n, dtype, elements, adasum_ms, native_ms, rvh_sum_ms):
     record = {
         "benchmark": "collective",
@@ -215,9 +262,12 @@ def _mpi_rank(args):
         def native(_, buffer=buffer, out=out, mpi_type=mpi_type):
             comm.Allreduce([buffer, mpi_type], [out, mpi_type], op=MPI.SUM)
 
-        times = _interleaved_medians_ms((adasum, native, rvh_sum, native_tf), value, args.process_repeats, comm)
+        pairs = _dots_inputs(elements, comm.size, dtype, comm.rank)
+        dots = tf.function(lambda _, pairs=pairs: _dots(pairs))
+        fns = (adasum, native, rvh_sum, native_tf, dots)
+        times = _interleaved_medians_ms(fns, value, args.process_repeats, comm)
         if comm.rank == 0:
-            record = _record("mpi", comm.size, dtype, elements, *times[:3])
+            record = _with_floor(_record("mpi", comm.size, dtype, elements, *times[:3]), times[4])
             record["native_tf_ms"] = round(times[3], 3)
             record["ratio_native_tf"] = round(times[0] / times[3], 3)
             record["native_library"] = engine.native is not None
@@ -251,9 +301,15 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
                     tf.random.stateless_normal([elements], seed=[ctx.replica_id_in_sync_group, 7]), dtype
                 )
             )
+            n = strategy.num_replicas_in_sync
+            pairs = strategy.experimental_distribute_values_from_function(
+                lambda ctx, elements=elements, n=n: _dots_inputs(elements, n, dtype, ctx.replica_id_in_sync_group)
+            )
+            dots = tf.function(lambda pairs: strategy.run(_dots, args=(pairs,)))
             times = [_median_ms(fn, value, repeats, min_seconds) for fn in (adasum, native, rvh_sum)]
+            times.append(_median_ms(dots, pairs, repeats, min_seconds))
             if report:
-                record = _record(engine, strategy.num_replicas_in_sync, dtype, elements, *times)
+                record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 print(json.dumps(record), flush=True)
 
 
