@@ -15,9 +15,16 @@ import os
 
 __all__ = ["plot"]
 
-_COLORS = {"adasum": "#1f77b4", "mean": "#d62728", "keras": "#2ca02c", "adacons": "#9467bd", "sum": "#ff7f0e"}
-_MARKERS = {"adasum": "o", "mean": "s", "keras": "^", "adacons": "D", "sum": "v"}
-_OTHER_COLORS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_COLORS = {
+    "adasum": "#1f77b4",
+    "mean": "#d62728",
+    "keras": "#2ca02c",
+    "keras-scaled": "#8c564b",
+    "adacons": "#9467bd",
+    "sum": "#ff7f0e",
+}
+_MARKERS = {"adasum": "o", "mean": "s", "keras": "^", "keras-scaled": "v", "adacons": "D", "sum": "X"}
+_OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 _LINESTYLES = ("-", "--", ":", "-.")
 _FILLSTYLES = ("full", "left", "bottom", "right")  # per local steps K; an open marker is "not reached"
 
