@@ -138,7 +138,7 @@ def _main(argv=None) -> None:
     test_images, test_labels = as_float_images(x_test[rank::size]), y_test[rank::size]
     count_correct = runner.correct_counter(model, test_images, test_labels)
 
-    def measure_accuracy(_model):
+    def measure_accuracy():
         """This process's shard of the test set, counts summed over the processes."""
         total_correct, total = processes.sum([count_correct(), len(test_labels)])
         return total_correct / total

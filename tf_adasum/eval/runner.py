@@ -138,9 +138,7 @@ def run(
     with strategy.scope():
         model = compiled_model(config, steps_per_epoch)
     count_correct = correct_counter(model, x_test, y_test)
-    epoch_end = EpochEnd(
-        lambda _model: count_correct() / len(y_test), config.target if stop_at_target else None, progress
-    )
+    epoch_end = EpochEnd(lambda: count_correct() / len(y_test), config.target if stop_at_target else None, progress)
     # shuffle=False: the stream is shuffled already (Keras would warn that it ignores shuffle=True).
     model.fit(
         train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=[epoch_end]
@@ -181,7 +179,7 @@ class EpochEnd(keras.callbacks.Callback):
     reports it to `progress` and stops training once it reaches `target`.
 
     Args:
-      measure_accuracy: ``model -> test accuracy``.
+      measure_accuracy: ``() -> test accuracy``.
       target: stop at this accuracy (None: train the whole budget).
       progress: called with (epoch, test accuracy, seconds), or None.
 
@@ -200,7 +198,7 @@ class EpochEnd(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.seconds.append(time.perf_counter() - self.start)
-        self.accuracy.append(self.measure_accuracy(self.model))
+        self.accuracy.append(self.measure_accuracy())
         if self.progress is not None:
             self.progress(epoch + 1, self.accuracy[-1], self.seconds[-1])
         if self.target is not None and self.accuracy[-1] >= self.target:
