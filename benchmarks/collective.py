@@ -30,12 +30,15 @@ Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
                dot products costs; ratio_to_floor = adasum_ms / floor_ms. A
                reference, not a bound: a design that computes the dot
                products while data arrives may beat it.
+With ``--compression float16`` (or ``bfloat16``), also:
+  compressed_ms      Adasum with that wire format (`tf_adasum.comm.compression`)
+  ratio_compressed   compressed_ms / adasum_ms (below 1: compression pays)
 Times are medians over repeats of one call each (TF paths inside a tf.function
 traced beforehand; process engines start each call together after a barrier;
 MPI ranks call the methods in turn within each repeat).
 
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
-       [--sizes 4096 ...] [--dtype float32]
+       [--sizes 4096 ...] [--dtype float32] [--compression float16]
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def _parse_args(argv=None):
     parser.add_argument(
         "--process-repeats", type=int, default=20, help="timed calls per measurement with workers or MPI ranks"
     )
+    parser.add_argument("--compression", choices=["float16", "bfloat16"], help="also time Adasum with this wire format")
     return parser.parse_args(argv)
 
 
@@ -113,7 +117,15 @@ def main(argv=None):
 
 
 def _forwarded_args(args):
-    return ["--sizes", *map(str, args.sizes), "--dtype", args.dtype, "--process-repeats", str(args.process_repeats)]
+    forwarded = [
+        "--sizes",
+        *map(str, args.sizes),
+        "--dtype",
+        args.dtype,
+        "--process-repeats",
+        str(args.process_repeats),
+    ]
+    return forwarded + (["--compression", args.compression] if args.compression else [])
 
 
 def _spawn(engine, n, args):
@@ -166,6 +178,14 @@ def _dots(pairs):
     from tf_adasum import ops
 
     return [ops.partial_dots(x, ops.Segments.single()) for x in pairs]
+
+
+def _with_compressed(record, compression, compressed_ms):
+    if compression:
+        record["compression"] = compression
+        record["compressed_ms"] = round(compressed_ms, 3)
+        record["ratio_compressed"] = round(compressed_ms / record["adasum_ms"], 3)
+    return record
 
 
 def _with_floor(record, dots_ms):
@@ -235,6 +255,7 @@ def _mpi_rank(args):
 
     MPI = transport.mpi()
     engine = MPIEngine(select.mpi_world())
+    compressed_engine = MPIEngine(engine.world, compression=args.compression)
     comm = engine.world.comm
     dtype = tf.as_dtype(args.dtype)
     adasum = tf.function(lambda v: engine.combine([v]))
@@ -265,9 +286,12 @@ def _mpi_rank(args):
         pairs = _dots_inputs(elements, comm.size, dtype, comm.rank)
         dots = tf.function(lambda _, pairs=pairs: _dots(pairs))
         fns = (adasum, native, rvh_sum, native_tf, dots)
+        if args.compression:
+            fns += (tf.function(lambda v: compressed_engine.combine([v])),)
         times = _interleaved_medians_ms(fns, value, args.process_repeats, comm)
         if comm.rank == 0:
             record = _with_floor(_record("mpi", comm.size, dtype, elements, *times[:3]), times[4])
+            _with_compressed(record, args.compression, times[-1])
             record["native_tf_ms"] = round(times[3], 3)
             record["ratio_native_tf"] = round(times[0] / times[3], 3)
             record["native_library"] = engine.native is not None
@@ -289,9 +313,14 @@ def _bench_replicas(n, args):
 def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report):
     """Times Adasum, the strategy's native SUM all-reduce and the plain-sum
     collective for each size; prints the record when `report`."""
+    import tf_adasum
+
     dtype = tf.as_dtype(args.dtype)
+    options = cross_device_ops.options
+    compressed_ops = tf_adasum.AdasumCrossDeviceOps(options=options, compression=args.compression)
     with strategy.scope():
         adasum = tf.function(lambda v: cross_device_ops.batch_reduce_adasum([v]))
+        compressed = tf.function(lambda v: compressed_ops.batch_reduce_adasum([v]))
         rvh_sum = tf.function(lambda v: cross_device_ops.batch_reduce_combine([v], "sum"))
         native = tf.function(lambda v: strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(v, v)]))
         for size in args.sizes:
@@ -308,8 +337,11 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
             dots = tf.function(lambda pairs: strategy.run(_dots, args=(pairs,)))
             times = [_median_ms(fn, value, repeats, min_seconds) for fn in (adasum, native, rvh_sum)]
             times.append(_median_ms(dots, pairs, repeats, min_seconds))
+            if args.compression:
+                times.append(_median_ms(compressed, value, repeats, min_seconds))
             if report:
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
+                _with_compressed(record, args.compression, times[-1])
                 print(json.dumps(record), flush=True)
 
 

@@ -355,9 +355,10 @@ def test_stderr_filter_keeps_everything_else(capfd):
 
 
 def _tf_adasum(*argv, **env):
-    """`tf-adasum` as a user starts it: without the test session's TF_CPP_MIN_LOG_LEVEL."""
+    """`tf-adasum` as a user starts it: without the test session's TF_CPP_MIN_LOG_LEVEL
+    (nor a TF_ENABLE_ONEDNN_OPTS of the machine's)."""
     script = os.path.join(os.path.dirname(sys.executable), "tf-adasum")
-    environment = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    environment = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
     return subprocess.Popen(
         [sys.executable, script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**environment, **env},
@@ -376,16 +377,15 @@ def test_help_and_argument_errors_load_no_tensorflow():
 
 def test_default_output_is_quiet_and_verbose_keeps_the_logs(tmp_path):
     """A tiny `tf-adasum eval`: progress, table and paths only, unless --verbose.
-    TF_ENABLE_ONEDNN_OPTS=1 makes TensorFlow print its oneDNN line on any CPU."""
+    The command sets TF_ENABLE_ONEDNN_OPTS=1 (the evaluation's kernels), which
+    makes TensorFlow print its oneDNN line on any CPU."""
     folder = tmp_path / "data"
     folder.mkdir()
     _write_idx_folder(folder, np.random.default_rng(2), 64, 32)
     argv = ["eval", "--combiners", "adasum", "--replicas", "2", "--batch-per-replica", "16", "--epochs", "1",
             "--data-dir", str(folder)]  # fmt: skip
     runs = {  # both at once
-        verbose: _tf_adasum(
-            *argv, "--out", str(tmp_path / f"out{int(verbose)}"), *["--verbose"] * verbose, TF_ENABLE_ONEDNN_OPTS="1"
-        )  # fmt: skip
+        verbose: _tf_adasum(*argv, "--out", str(tmp_path / f"out{int(verbose)}"), *["--verbose"] * verbose)
         for verbose in (False, True)
     }
     outputs = {verbose: "".join(process.communicate(timeout=300)) for verbose, process in runs.items()}
@@ -395,3 +395,5 @@ def test_default_output_is_quiet_and_verbose_keeps_the_logs(tmp_path):
     assert "epoch 1/1 acc" in quiet_output and "eff.batch" in quiet_output and "wrote " in quiet_output
     assert [noise for noise in NOISE if noise in quiet_output] == [], quiet_output
     assert all(noise in outputs[True] for noise in NOISE[:1] + NOISE[2:4]), outputs[True]
+    records = [json.loads(line) for line in (tmp_path / "out0" / "results.jsonl").read_text().splitlines()]
+    assert [r["kernels"] for r in records] == ["TF_ENABLE_ONEDNN_OPTS=1"]

@@ -22,6 +22,7 @@ LAYERS = {
     "rvh": 3,
     "comm.cluster": 3,
     "comm.collective": 3,
+    "comm.compression": 3,
     "comm.mpi": 3,
     "engines.base": 4,
     "engines.mpi_native": 4,

@@ -54,6 +54,13 @@ def test_collective_and_training_under_mpirun(n, tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n, compression", [(2, "bfloat16"), (3, "float16")])
+def test_compressed_collective_under_mpirun(n, compression, tmp_path):
+    _run(n, "collective", tmp_path, TEST_COMPRESSION=compression)
+    check_collective(tmp_path, n, compression)
+
+
+@pytest.mark.mpi
 def test_mismatched_variables_raise_on_every_rank(tmp_path):
     _run(2, "mismatch", tmp_path)
     for report in read_reports(tmp_path, "mismatch", 2):

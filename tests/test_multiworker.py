@@ -35,6 +35,12 @@ def _launch(n, tasks, out, timeout=600, **env):
     return result.stdout
 
 
+@pytest.mark.parametrize("n, compression", [(2, "float16"), (3, "bfloat16")])
+def test_compressed_collective_across_workers(n, compression, tmp_path):
+    _launch(n, "collective", tmp_path, TEST_COMPRESSION=compression)
+    check_collective(tmp_path, n, compression)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collective_and_training_across_workers(n, tmp_path):
     output = _launch(n, "collective,train,diagnostics", tmp_path)

@@ -22,6 +22,7 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 
 from tf_adasum.comm import cluster, collective
+from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import check_values, pair_rule
 from tf_adasum.engines.tf import TFEngine
 
@@ -59,21 +60,31 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
       options: a `tf.distribute.experimental.CommunicationOptions`:
         ``bytes_per_pack`` caps the size of a fused bucket (0: one bucket per
         dtype), ``timeout_seconds`` turns a missing peer into an error.
+      compression: None (default), ``"float16"`` or ``"bfloat16"``: the
+        Adasum collective sends float32 and float64 values in that format,
+        with float64 arithmetic on the widened values
+        (`tf_adasum.comm.compression`); for links slower than memory. Plain
+        reductions through the fallback are not compressed.
     """
 
     def __init__(
         self,
         fallback: tf.distribute.CrossDeviceOps | None = None,
         options: tf.distribute.experimental.CommunicationOptions | None = None,
+        compression: str | None = None,
     ):
         super().__init__()
+        compression_lib.check_compression(compression)
+        self._compression = compression
         if fallback is not None and not isinstance(fallback, tf.distribute.CrossDeviceOps):
             raise TypeError(
                 "`fallback` must be a `tf.distribute.CrossDeviceOps` or None. "
                 f"Received: fallback={fallback!r} of type {type(fallback).__name__}"
             )
         if isinstance(fallback, AdasumCrossDeviceOps):
-            raise ValueError("`fallback` must not itself be an `AdasumCrossDeviceOps`. Received: fallback={fallback!r}")
+            raise ValueError(
+                f"`fallback` must not itself be an `AdasumCrossDeviceOps`. Received: fallback={fallback!r}"
+            )
         if options is None:
             options = tf.distribute.experimental.CommunicationOptions()
         if not isinstance(options, collective_util.Options):
@@ -90,6 +101,11 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
     @property
     def options(self) -> tf.distribute.experimental.CommunicationOptions:
         return self._options
+
+    @property
+    def compression(self) -> str | None:
+        """The Adasum collective's wire format (None: uncompressed)."""
+        return self._compression
 
     # -- the Adasum path ------------------------------------------------------
 
@@ -139,7 +155,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         key = (devices, ranks, options.bytes_per_pack, options.timeout_seconds)
         with self._lock:
             if key not in self._engines:
-                self._engines[key] = TFEngine(devices, ranks, options, tf.distribute.get_strategy())
+                self._engines[key] = TFEngine(devices, ranks, options, tf.distribute.get_strategy(), self._compression)
             return self._engines[key]
 
     # -- everything else goes to the fallback ----------------------------------

@@ -60,6 +60,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         multi-replica strategy, else "mpi" when an MPI launcher started this
         process with several ranks, else one replica. Combinations that would
         train each process alone raise.
+      compression: None (default), ``"float16"`` or ``"bfloat16"``: float32
+        and float64 values cross the wire in that format, for links slower than
+        memory; the arithmetic stays float64 on the widened values and the
+        replicas stay identical (`tf_adasum.comm.compression`). None takes the
+        strategy's `AdasumCrossDeviceOps(compression=...)`, if any.
       use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average
         of the combined weights (as in Keras optimizers).
       loss_scale_factor: the loss scale (default: the inner optimizer's).
@@ -82,6 +87,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         backward_passes_per_step: int = 1,
         hierarchical: bool = False,
         backend: str = "auto",
+        compression: str | None = None,
         use_ema: bool = False,
         ema_momentum: float = 0.99,
         ema_overwrite_frequency: int | None = None,
@@ -102,7 +108,9 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         optimizer_args.check_inner(inner_optimizer)
         keras_step.check_keras_internals(inner_optimizer)
         combiner = combiners_lib.get(combiner)
-        optimizer_args.check_settings(mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner)
+        optimizer_args.check_settings(
+            mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner, compression
+        )
         if loss_scale_factor is not None and inner_optimizer.loss_scale_factor is not None:
             raise ValueError(
                 "Set `loss_scale_factor` on the AdasumOptimizer or on `inner_optimizer`, not both. Received: "
@@ -124,6 +132,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.hierarchical = hierarchical
         self.backend = backend
+        self.compression = compression
         self.engine: engines_base.Engine | None = None
         self._diagnostics = diagnostics_lib.Recorder()
 
@@ -147,7 +156,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     def build(self, var_list):
         strategy = self._distribution_strategy
-        self.engine = select.make_engine(self.backend, strategy)
+        self.engine = select.make_engine(self.backend, strategy, self.compression)
         self.engine.check_same_variables(var_list)  # before any variable: creating one is a collective
         self.inner_optimizer.build(var_list)
         super().build(var_list)
@@ -347,6 +356,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "hierarchical": self.hierarchical,
             "backend": self.backend,
+            "compression": self.compression,
             "use_ema": self.use_ema,
             "ema_momentum": self.ema_momentum,
             "ema_overwrite_frequency": self.ema_overwrite_frequency,

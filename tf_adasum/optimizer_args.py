@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import keras
 
+from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines import select
 
 __all__ = ["MODES", "check_inner", "check_settings"]
@@ -15,7 +16,7 @@ __all__ = ["MODES", "check_inner", "check_settings"]
 MODES = ("delta", "gradient")
 
 
-def check_settings(mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner) -> None:
+def check_settings(mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner, compression) -> None:
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
@@ -37,6 +38,7 @@ def check_settings(mode, backward_passes_per_step, hierarchical, backend, use_em
         )
     if backend not in select.BACKENDS:
         raise ValueError(f"`backend` must be one of {select.BACKENDS}. Received: backend={backend!r}")
+    compression_lib.check_compression(compression)
 
 
 def check_inner(inner) -> None:

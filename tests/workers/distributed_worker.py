@@ -45,6 +45,8 @@ TIMEOUT_SECONDS = float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "60"))
 SIZES = (1, 127, 129, 1000, 3, 4099)
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TRAIN_STEPS = 3
+#: The wire format of the collective task (``TEST_COMPRESSION``; unset: none).
+COMPRESSION = os.environ.get("TEST_COMPRESSION") or None
 
 
 def collective_inputs(rank: int) -> list[np.ndarray]:
@@ -76,10 +78,10 @@ class Engine:
 
     def combine(self, tensors):
         if self.strategy is None:
-            engine = MPIEngine(select.mpi_world(), TIMEOUT_SECONDS)
+            engine = MPIEngine(select.mpi_world(), TIMEOUT_SECONDS, compression=COMPRESSION)
             return [t.numpy() for t in engine.combine(tensors)]
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
-        ops = tf_adasum.AdasumCrossDeviceOps(options=options)
+        ops = tf_adasum.AdasumCrossDeviceOps(options=options, compression=COMPRESSION)
         with self.strategy.scope():
             values = [self.strategy.experimental_distribute_values_from_function(lambda ctx, t=t: t) for t in tensors]
             combined = ops.batch_reduce_adasum(values)

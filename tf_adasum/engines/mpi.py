@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import rvh
+from tf_adasum.comm import compression as compression_lib
 from tf_adasum.comm import mpi as transport
 from tf_adasum.engines import mpi_native
 from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
@@ -116,11 +117,18 @@ class MPIEngine(Engine):
       world: `tf_adasum.comm.mpi.World` (see `tf_adasum.engines.select.mpi_world`).
       timeout_seconds: how long an MPI call waits for its peers (0: forever).
       bytes_per_bucket: fusion cap (0: one bucket per dtype).
+      compression: None, or ``"float16"``/``"bfloat16"``: float32 and float64
+        buffers travel in that format (`tf_adasum.comm.compression`), through
+        the vector-halving driver over mpi4py (the native tree sends full width).
     """
 
     local_replicas = 1
 
-    def __init__(self, world, timeout_seconds: float | None = None, bytes_per_bucket: int = 0):
+    def __init__(
+        self, world, timeout_seconds: float | None = None, bytes_per_bucket: int = 0, compression: str | None = None
+    ):
+        compression_lib.check_compression(compression)
+        self.compression = compression
         self.world = world
         self.num_replicas = world.size
         self.timeout_seconds = transport.default_timeout() if timeout_seconds is None else float(timeout_seconds)
@@ -142,9 +150,10 @@ class MPIEngine(Engine):
     def _combine_implementation(self, values: list[Components], combiner: combiners_lib.Combiner, scope: str):
         comm = self._comms[scope]
         rule = _native_rule(combiner)
-        if self.native is None or rule is None:
+        if self.native is None or rule is None or self.compression is not None:
             communicator = transport.MPICommunicator(comm, self._sum_comms[scope], self._chain, self.timeout_seconds)
-            return combine_with_communicators(values, [communicator], combiner, self.bytes_per_bucket)
+            communicators = compression_lib.compressed([communicator], self.compression)
+            return combine_with_communicators(values, communicators, combiner, self.bytes_per_bucket)
         size = comm.Get_size()
         tensors = [combiner.prepare(v[0], size) for v in values]
         shapes = [t.shape for t in tensors]

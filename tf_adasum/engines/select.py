@@ -34,6 +34,7 @@ __all__ = [
     "launcher_world_size",
     "make_engine",
     "mpi_world",
+    "strategy_compression",
 ]
 
 #: Environment variables MPI launchers set to the world size (Open MPI,
@@ -114,8 +115,22 @@ def communication_options(strategy) -> tf.distribute.experimental.CommunicationO
     return tf.distribute.experimental.CommunicationOptions()
 
 
-def make_engine(backend: str, strategy) -> Engine:
-    """The engine for `backend` (see `choose_backend`) under `strategy`."""
+def strategy_compression(strategy) -> str | None:
+    """The wire format of the strategy's cross-device ops when they carry one
+    (`tf_adasum.AdasumCrossDeviceOps`), else None."""
+    if isinstance(strategy, tf.distribute.MirroredStrategy):
+        if not hasattr(strategy.extended, "_cross_device_ops"):
+            raise RuntimeError("tf_adasum: MirroredStrategy.extended._cross_device_ops is gone in this TensorFlow.")
+        return getattr(strategy.extended._cross_device_ops, "compression", None)
+    return None
+
+
+def make_engine(backend: str, strategy, compression: str | None = None) -> Engine:
+    """The engine for `backend` (see `choose_backend`) under `strategy`.
+
+    `compression`: the wire format (`tf_adasum.comm.compression`); None takes
+    the strategy's `tf_adasum.AdasumCrossDeviceOps` one, if any."""
     if choose_backend(backend, strategy) == "mpi":
-        return MPIEngine(mpi_world())
-    return TFEngine.for_strategy(strategy, communication_options(strategy))
+        return MPIEngine(mpi_world(), compression=compression)
+    compression = compression if compression is not None else strategy_compression(strategy)
+    return TFEngine.for_strategy(strategy, communication_options(strategy), compression)

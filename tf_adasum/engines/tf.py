@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.comm import cluster, collective
+from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import (
     Components,
     Engine,
@@ -66,6 +67,8 @@ class TFEngine(Engine):
         ``timeout_seconds`` turns a missing peer into an error.
       strategy: the strategy the replicas belong to (for the small exchanges);
         default: the current one.
+      compression: None, or ``"float16"``/``"bfloat16"``: float32 and float64
+        buffers travel in that format (`tf_adasum.comm.compression`).
     """
 
     def __init__(
@@ -74,7 +77,10 @@ class TFEngine(Engine):
         ranks: Sequence[int],
         options: tf.distribute.experimental.CommunicationOptions | None = None,
         strategy: Any = None,
+        compression: str | None = None,
     ):
+        compression_lib.check_compression(compression)
+        self.compression = compression
         self.devices, self.ranks = tuple(devices), tuple(ranks)
         if len(set(self.devices)) != len(self.devices) or not all(self.devices):
             raise ValueError(f"Each replica needs its own device. Received: devices {self.devices}")
@@ -87,10 +93,10 @@ class TFEngine(Engine):
         self._lock = threading.Lock()
 
     @classmethod
-    def for_strategy(cls, strategy, options=None) -> TFEngine:
+    def for_strategy(cls, strategy, options=None, compression=None) -> TFEngine:
         """The engine over every replica of `strategy`."""
         devices, ranks = cluster.cluster_devices(strategy)
-        return cls(devices, ranks, options, strategy)
+        return cls(devices, ranks, options, strategy, compression)
 
     @property
     def num_workers(self) -> int:
@@ -113,6 +119,7 @@ class TFEngine(Engine):
     def _build(self, values, combiner, scope):
         timeout = self.options.timeout_seconds
         comms = [collective.TFCollectiveCommunicator(tree, rank, timeout) for tree, rank in self._trees(scope)]
+        comms = compression_lib.compressed(comms, self.compression)
         return combine_with_communicators(values, comms, combiner, self.options.bytes_per_pack)
 
     def _combine_implementation(self, values: list[Components], combiner: combiners_lib.Combiner, scope: str):

@@ -9,6 +9,13 @@ Every input (the grid, the data, ``--out``, ``--resume``'s results) is checked
 before anything is written and before TensorFlow is loaded: a wrong one is one
 line on stderr and exit status 2. TensorFlow's log lines are hidden unless
 ``--verbose`` (`tf_adasum.eval.quiet`).
+
+Kernels: TensorFlow 2.21 turns its oneDNN CPU kernels on by default only on
+processors with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX; elsewhere (e.g. an
+AVX2-only AMD EPYC) it falls back to Eigen kernels built for SSE, 3-4x slower
+for convolutions. So that minutes per epoch mean the same on every x86 machine,
+the evaluation sets ``TF_ENABLE_ONEDNN_OPTS=1`` unless it is set already (its
+worker processes inherit it); each record's ``kernels`` says what ran.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from tf_adasum.eval import metrics, quiet
 from tf_adasum.eval.config import COMBINERS, ENGINES, KERAS_BASELINES, SCHEDULES, TIMING_MODELS, RunConfig
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
-__all__ = ["PRESETS", "main"]
+__all__ = ["ONEDNN_KERNELS", "PRESETS", "main"]
+
+#: The evaluation's kernels (see the module docstring), unless the environment chooses.
+ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
 def _quick() -> list[RunConfig]:
@@ -380,6 +390,8 @@ def main(argv=None) -> int:
     except InputError as error:
         print(f"tf-adasum eval: error: {error}", file=sys.stderr)
         return 2
+    if "tensorflow" not in sys.modules:  # TensorFlow reads it once, when imported
+        os.environ.setdefault(*ONEDNN_KERNELS)
     quiet.import_tensorflow(verbose=args.verbose)
     if plan.timing_models:
         _run_timing(args, plan)

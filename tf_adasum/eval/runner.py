@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import platform
 import statistics
 import sys
@@ -221,11 +222,28 @@ def record(config: RunConfig, accuracy: list[float], seconds: list[float], stop_
         "score": metrics.score(epochs, minutes_per_epoch),
         "stopped_at_target": stop_at_target,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {_cpu_count()} cores, Python {sys.version.split()[0]}",
+        "machine": f"{platform.machine()}, {_cpu_name()}, {_cpu_count()} cores, Python {sys.version.split()[0]}",
+        "kernels": _kernels(),
     }
 
 
-def _cpu_count() -> int:
-    import os
+def _cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
 
+
+def _kernels() -> str:
+    """Which CPU kernels TensorFlow was started with: the ``TF_ENABLE_ONEDNN_OPTS``
+    it read, or ``default`` (TensorFlow's choice for the processor) when unset."""
+    return f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default')}"
+
+
+def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

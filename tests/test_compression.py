@@ -1,0 +1,141 @@
+"""Compressed transport (`tf_adasum.comm.compression`): float32/float64 values
+travel as float16 or bfloat16, against `tf_adasum.reference`."""
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import TOLERANCE, distribute, local_results, relative_error
+from multiprocess import COMPRESSED_TOLERANCE
+from simulation import BATCH, IN, OUT, Adam, simulate
+from simulation import data as _data
+
+import tf_adasum
+from tf_adasum import reference
+from tf_adasum.comm import compression
+from tf_adasum.ops import BLOCK
+
+WIRES = {"float16": (tf.float16, 2.0**-11), "bfloat16": (tf.bfloat16, 2.0**-8)}
+
+
+def _combine(n, per_rank, wire, combiner="adasum"):
+    ops = tf_adasum.AdasumCrossDeviceOps(compression=wire)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)], cross_device_ops=ops)
+    with strategy.scope():
+        return local_results(strategy, ops.batch_reduce_combine(distribute(strategy, per_rank), combiner))
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_round_trip_keeps_the_relative_precision_of_the_wire_at_any_magnitude(wire, dtype, rng):
+    wire_dtype, unit_roundoff = WIRES[wire]
+    # Far beyond float16's range (65504) and below its smallest normal (6e-5),
+    # in one row: every block of BLOCK elements is scaled on its own.
+    scales = 10.0 ** rng.integers(-12, 12, size=(4, 8, 1))
+    blocks = (rng.standard_normal((4, 8, BLOCK)) * scales).astype(dtype)
+    rows = blocks.reshape(4, 8 * BLOCK)
+    back = compression.round_trip(tf.constant(rows), wire_dtype).numpy()
+    assert back.dtype == dtype and back.shape == rows.shape
+    assert np.all(np.isfinite(back))
+    error = np.abs(back - rows).reshape(blocks.shape)
+    peaks = np.max(np.abs(blocks), axis=2, keepdims=True)
+    significant = np.abs(blocks) > peaks * 2.0**-12  # far from the wire's subnormal range
+    assert np.max(error[significant] / np.abs(blocks[significant])) <= unit_roundoff
+    # Smaller elements: an absolute error far below their block's peak.
+    assert np.all(error <= peaks * unit_roundoff * 2.0**-11 + (error * significant))
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_round_trip_of_special_values(wire):
+    rows = np.zeros((4, BLOCK), np.float32)
+    rows[1, :3] = [np.inf, 1.0, -2.0]
+    rows[2, :3] = [np.nan, 1.0, 0.5]
+    rows[3, 0] = 2.0**-126
+    back = compression.round_trip(tf.constant(rows), WIRES[wire][0]).numpy()
+    np.testing.assert_array_equal(back[0], 0.0)
+    assert np.isposinf(back[1, 0]) and np.isnan(back[2, 0])
+    np.testing.assert_array_equal(back[1:3, 1:3], [[1.0, -2.0], [1.0, 0.5]])
+    assert back[3, 0] == np.float32(2.0**-126)  # float32's smallest normal, scaled up and back exactly
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_collective_matches_reference_within_the_wire_precision(n, wire, rng):
+    shapes = [(1,), (2 * n + 1,), (1000,), (3, 5), (4,), (1 << 16,)]
+    per_rank = [
+        [(rng.standard_normal(s) * 10.0 ** rng.integers(-8, 8)).astype(np.float32) for s in shapes] for _ in range(n)
+    ]
+    for r in range(n):
+        per_rank[r][4] = np.zeros(4, np.float32)
+    results = _combine(n, per_rank, wire)
+    for t, (per_replica, want) in enumerate(zip(results, reference.adasum_tree(per_rank))):
+        assert all(value.tobytes() == per_replica[0].tobytes() for value in per_replica), f"tensor {t}"
+        assert per_replica[0].dtype == np.float32
+        error = relative_error(per_replica[0], want)
+        assert error <= COMPRESSED_TOLERANCE[wire], f"tensor {t}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sixteen_bit_values_travel_unchanged(n, rng):
+    dtypes = [np.float16, ml_dtypes.bfloat16, np.float32]
+    per_rank = [[rng.standard_normal(300).astype(d) for d in dtypes] for _ in range(n)]
+    compressed = _combine(n, per_rank, "float16")
+    plain = _combine(n, per_rank, None)
+    for t in (0, 1):  # the float16 and bfloat16 tensors: bitwise as without compression
+        assert compressed[t][0].tobytes() == plain[t][0].tobytes()
+        assert relative_error(compressed[t][0], reference.adasum_tree(per_rank)[t]) <= TOLERANCE["float16"]
+    assert compressed[2][0].tobytes() != plain[2][0].tobytes()  # the float32 one was compressed
+
+
+@pytest.mark.parametrize("combiner, oracle", [("sum", reference.sum_), ("mean", reference.mean)])
+def test_sum_and_mean_compressed(combiner, oracle, rng):
+    per_rank = [[rng.standard_normal(777).astype(np.float32)] for _ in range(4)]
+    result = _combine(4, per_rank, "float16", combiner)[0]
+    assert relative_error(result[0], oracle(per_rank)[0]) <= COMPRESSED_TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_training_with_compression_matches_the_simulation(wire):
+    x, y = _data(3)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+        initial = [w.numpy() for w in model.weights]
+        optimizer = tf_adasum.AdasumOptimizer(Adam().keras(), compression=wire)
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert optimizer.engine.compression == wire
+    for variable in model.weights:
+        values = [v.numpy() for v in strategy.experimental_local_results(variable)]
+        assert all(v.tobytes() == values[0].tobytes() for v in values), variable.name
+    expected = simulate(initial, x, y, 2, 3, Adam(), reference.adasum_tree)
+    for got, want, start in zip(model.weights, expected, initial):
+        # The compressed combine is within the wire's tolerance of the exact one, step by step.
+        step = np.linalg.norm(want - start)
+        assert np.linalg.norm(got.numpy() - want) <= 3 * COMPRESSED_TOLERANCE[wire] * step
+
+
+def test_the_optimizer_takes_the_cross_device_ops_compression():
+    ops = tf_adasum.AdasumCrossDeviceOps(compression="bfloat16")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+        inherited = tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
+        inherited.build(model.trainable_variables)
+        explicit = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression="float16")
+        explicit.build(model.trainable_variables)
+    assert (inherited.engine.compression, explicit.engine.compression) == ("bfloat16", "float16")
+
+
+def test_compression_setting_is_checked_and_saved():
+    for make in (
+        lambda value: tf_adasum.AdasumCrossDeviceOps(compression=value),
+        lambda value: tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression=value),
+    ):
+        with pytest.raises(ValueError, match=r"`compression` must be one of .* Received: compression='fp16'"):
+            make("fp16")
+    optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression="bfloat16")
+    restored = tf_adasum.AdasumOptimizer.from_config(optimizer.get_config())
+    assert restored.compression == "bfloat16"
