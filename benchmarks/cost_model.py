@@ -5,21 +5,27 @@ N = 1024.
 Per rank, for N ranks and an S-byte buffer (2^p the largest power of two <= N,
 r = N - 2^p ranks folded):
 
-  Adasum tree  T = F + 2 p a + a p (p + 1) / 2 + c(N) [2 b S (1 - 2^-p) + g S (1 - 2^-p)]
+  Adasum tree  T = F + 2 p a + a L(p) + c(N) [2 b S (1 - 2^-p) + g S (1 - 2^-p)]
                F = r > 0 ? 2 a + c(N) (2 b S + g S) : 0     (the fold: a send each
                    way of the whole buffer and one combine of it)
   ring         R = 2 (N - 1) a + c(N) [2 b S (N - 1) / N + h S (N - 1) / N]
 
 a: the latency of one message; each of the p halving and p gathering levels
-sends one, and level k's float64 partial sums are a small all-reduce over 2^k
-ranks (k latencies: a p (p + 1) / 2 in all). b: seconds per byte on the wire.
+sends one, and level k (from 0) sums its float64 partials over the 2^(k+1)
+ranks of its two subtrees: TF's CollectiveReduceV2 runs a ring on CPUs, 2
+(2^(k+1) - 1) messages, so L(p) = sum_k 2 (2^(k+1) - 1) = 2 (2^(p+1) - 2 - p),
+about 4 N (with a recursive-doubling sum, as MPI's Allreduce, it would be
+sum_k (k + 1) = p (p + 1) / 2). b: seconds per byte on the wire.
 g: the combine's arithmetic (float64 dots and scaled sum) per byte of the
 buffer, h: the sum's. c(N) = max(1, N / cores) when N replicas share a
 machine's cores (every byte moved or combined then competes for the same
 memory and cores), else 1.
 
-The tree's latency grows as log^2 N, the ring's as N; both move 2 S (N - 1) / N
-bytes for N = 2^p; a fold costs two whole-buffer transfers more.
+Both move 2 S (N - 1) / N bytes for N = 2^p (a fold costs two whole-buffer
+transfers more); the tree's latency, dominated by its ring-summed partials,
+grows as about 4 N against the ring all-reduce's 2 N (log^2 N with a
+recursive-doubling partial sum). A compressed wire (`--compression`) would
+halve b's bytes; the model leaves it out.
 
 Usage:
   python benchmarks/cost_model.py RECORDS.jsonl [--cores 2] [--plot out.png]
@@ -53,7 +59,7 @@ def tree_terms(n: int, size: float, cores: int | None) -> np.ndarray:
     folded = n - (1 << p)
     c = contention(n, cores)
     moved = 1.0 - 2.0**-p
-    a = 2 * p + p * (p + 1) / 2 + (2 if folded else 0)
+    a = 2 * p + 2 * ((1 << (p + 1)) - 2 - p) + (2 if folded else 0)
     b = c * (2 * size * moved + (2 * size if folded else 0))
     g = c * (size * moved + (size if folded else 0))
     return np.array([a, b, g, 0.0])

@@ -59,6 +59,47 @@ def test_round_trip_of_special_values(wire):
     assert back[3, 0] == np.float32(2.0**-126)  # float32's smallest normal, scaled up and back exactly
 
 
+def _blocks_rounding_up(rng, wire):
+    """Blocks whose scaled peak rounds up to the next power of two on the
+    wire, with tiny elements beside it: the case that makes a second trip
+    differ unless the encoding is idempotent."""
+    step = 2.0 ** (14 - (11 if wire == "float16" else 8))  # the wire's spacing just below 2^14
+    blocks = rng.standard_normal((64, BLOCK)) * 2.0 ** rng.integers(-30, -2, size=(64, 1)) * 2.0**14
+    blocks[:, 0] = 2.0**14 - step * rng.uniform(0.0, 0.5, size=64)  # rounds to 2^14
+    blocks *= 2.0 ** rng.integers(-60, 60, size=(64, 1))
+    return blocks.reshape(4, 16 * BLOCK)
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_round_trip_is_idempotent(wire, dtype, rng):
+    rows = tf.constant(_blocks_rounding_up(rng, wire).astype(dtype))
+    once = compression.round_trip(rows, WIRES[wire][0])
+    twice = compression.round_trip(once, WIRES[wire][0])
+    assert once.numpy().tobytes() == twice.numpy().tobytes()
+
+
+def test_round_trip_of_float64_extremes_and_of_finite_values_beside_infinity():
+    rows = np.zeros((3, BLOCK))
+    rows[0, :3] = [1e300, -3e299, 1.0]
+    rows[1, :3] = [1e-300, 2e-301, 0.0]
+    rows[2, :3] = [np.inf, 1.0, -3.0]
+    back = compression.round_trip(tf.constant(rows), tf.float16).numpy()
+    np.testing.assert_allclose(back[:2, :2], rows[:2, :2], rtol=2.0**-11)
+    assert back[0, 2] == 0.0  # 2^-997 of its block's peak
+    assert np.isposinf(back[2, 0]) and list(back[2, 1:3]) == [1.0, -3.0]
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+def test_replicas_stay_identical_through_the_fold_on_values_that_round_up(wire, rng):
+    # N = 3: rank 0 combines with rank 1's buffer and sends the result back to
+    # it; every rank must hold the bits the others hold.
+    per_rank = [[_blocks_rounding_up(rng, wire).reshape(-1).astype(np.float32)] for _ in range(3)]
+    per_rank[1] = [x.copy() for x in per_rank[0]]  # parallel updates: the result is close to the input
+    results = _combine(3, per_rank, wire)[0]
+    assert results[1].tobytes() == results[0].tobytes() and results[2].tobytes() == results[0].tobytes()
+
+
 @pytest.mark.parametrize("wire", sorted(WIRES))
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_collective_matches_reference_within_the_wire_precision(n, wire, rng):
@@ -122,11 +163,13 @@ def test_the_optimizer_takes_the_cross_device_ops_compression():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
     with strategy.scope():
         model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
-        inherited = tf_adasum.AdasumOptimizer(keras.optimizers.SGD())
-        inherited.build(model.trainable_variables)
-        explicit = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression="float16")
-        explicit.build(model.trainable_variables)
-    assert (inherited.engine.compression, explicit.engine.compression) == ("bfloat16", "float16")
+        for compression in (None, "bfloat16"):
+            optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression=compression)
+            optimizer.build(model.trainable_variables)
+            assert optimizer.engine.compression == "bfloat16"
+        conflicting = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression="float16")
+        with pytest.raises(ValueError, match="Received: compression='float16', the cross-device ops' compression="):
+            conflicting.build(model.trainable_variables)
 
 
 def test_compression_setting_is_checked_and_saved():
@@ -136,6 +179,10 @@ def test_compression_setting_is_checked_and_saved():
     ):
         with pytest.raises(ValueError, match=r"`compression` must be one of .* Received: compression='fp16'"):
             make("fp16")
+        with pytest.raises(
+            TypeError, match=r"`compression` must be a string or None. Received: compression=tf.float16"
+        ):
+            make(tf.float16)
     optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), compression="bfloat16")
     restored = tf_adasum.AdasumOptimizer.from_config(optimizer.get_config())
     assert restored.compression == "bfloat16"

@@ -8,15 +8,23 @@ arrival. The dot products, coefficients and scaled sums stay float64 on the
 widened values; float16 and bfloat16 buffers travel unchanged.
 
 Range: messages are whole blocks of `tf_adasum.ops.BLOCK` (128) elements, and
-a block never holds two tensors. Each block is scaled by a power of two so
-that its largest magnitude lies in [2^13, 2^15), far inside float16's 65504;
-the exponent travels after the block (one int32 as two 16-bit slots: 2/128 =
-1.6% more elements). Scaling by a power of two is exact, so the only loss is
-rounding to 11 (float16) or 8 (bfloat16) significant bits, relative to each
-element; elements more than about 2^-37 (float16) below their block's peak
-become zero. Infinities and NaN stay non-finite. So values such as 1e6 or
-1e-9, out of float16's range or precision, travel with float16's relative
+a block never holds two tensors. Each block is scaled by a power of two 2^-e
+so that its largest magnitude, rounded to the wire format, lies in [2^13,
+2^14), far inside float16's 65504; e travels after the block (one int32 as two
+16-bit slots: 2/128 = 1.6% more elements). Scaling by a power of two is exact,
+so the loss is the rounding to 11 (float16) or 8 (bfloat16) significant bits:
+relative to each element for elements down to 2^-27 of their block's peak,
+fewer bits below that (float16's subnormals), zero below about 2^-38 of the
+peak (bfloat16 keeps its 8 bits all the way). Values such as 1e6 or 1e-9,
+out of float16's range or precision, so travel with float16's relative
 precision, whatever the magnitudes of the other tensors in the bucket.
+(float64 values beyond 2^1000 or below 2^-1000 are outside this scheme's
+exponent range.) A block holding an infinity or NaN is sent unscaled: it
+stays non-finite, as the whole result would.
+
+The encoding is idempotent: a decoded message encodes to the same bits (the
+exponent comes from the bits of the peak, after rounding), so a value that
+makes a second trip, as the non-power-of-two fold's result does, is unchanged.
 
 Replicas stay bitwise identical: a rank that keeps or sends its own values
 uses the same widened copy its peers receive (a message's own row comes back
@@ -34,25 +42,38 @@ __all__ = ["COMPRESSIONS", "Compressed", "check_compression", "compressed", "rou
 #: The wire formats a compressed transport offers (None: uncompressed).
 COMPRESSIONS = (None, "float16", "bfloat16")
 
-# A row's peak is scaled into [2^13, 2^15) (floor(log2) may be one off at a
-# power of two, which stays below 2^15 < 65504); exponents are clamped so that
+# A block's peak is scaled into [2^13, 2^14); exponents are clamped so that
 # 2^e and 2^-e are normal float64 numbers.
 _PEAK_EXPONENT = 13
-_MAX_EXPONENT = 1000
+_MAX_EXPONENT = 1022
 _COMPRESSED_DTYPES = (tf.float32, tf.float64)
 
 
 def check_compression(compression) -> tf.DType | None:
-    """The wire dtype `compression` names (None for none); raises ValueError
-    naming the argument and the value otherwise."""
+    """The wire dtype `compression` names (None for none); raises TypeError or
+    ValueError naming the argument and the value otherwise."""
+    if compression is not None and not isinstance(compression, str):
+        raise TypeError(
+            "`compression` must be a string or None. "
+            f"Received: compression={compression!r} of type {type(compression).__name__}"
+        )
     if compression not in COMPRESSIONS:
         raise ValueError(f"`compression` must be one of {COMPRESSIONS}. Received: compression={compression!r}")
     return None if compression is None else tf.as_dtype(compression)
 
 
 def _power_of_two(exponent: tf.Tensor) -> tf.Tensor:
-    """2^exponent in float64, exactly (built from its bits); exponent int64 in [-1000, 1000]."""
+    """2^exponent in float64, exactly (built from its bits); exponent int64 in [-1022, 1022]."""
     return tf.bitcast(tf.bitwise.left_shift(exponent + 1023, tf.constant(52, tf.int64)), tf.float64)
+
+
+def _floor_log2(x: tf.Tensor) -> tf.Tensor:
+    """floor(log2(x)) of positive normal float64 `x`, exactly: its exponent bits."""
+    return tf.bitwise.right_shift(tf.bitcast(x, tf.int64), tf.constant(52, tf.int64)) - 1023
+
+
+def _clamped(exponent: tf.Tensor) -> tf.Tensor:
+    return tf.clip_by_value(exponent, tf.constant(-_MAX_EXPONENT, tf.int64), tf.constant(_MAX_EXPONENT, tf.int64))
 
 
 def _encode(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
@@ -61,8 +82,11 @@ def _encode(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     x = tf.reshape(tf.cast(rows, tf.float64), [tf.shape(rows)[0], -1, BLOCK])
     peak = tf.reduce_max(tf.abs(x), axis=2)
     usable = tf.math.is_finite(peak) & (peak > 0.0)
-    log2_peak = tf.math.floor(tf.math.log(tf.where(usable, peak, 1.0)) / tf.math.log(tf.constant(2.0, tf.float64)))
-    exponent = tf.clip_by_value(tf.cast(log2_peak, tf.int64) - _PEAK_EXPONENT, -_MAX_EXPONENT, _MAX_EXPONENT)
+    exponent = _clamped(_floor_log2(peak) - _PEAK_EXPONENT)
+    # The scaled peak lies in [2^13, 2^14); rounding may carry it up to 2^14:
+    # then one more halving (it rounds to 2^13 exactly) keeps it in the range.
+    rounded_peak = tf.cast(tf.cast(peak * _power_of_two(-exponent), wire), tf.float64)
+    exponent = _clamped(exponent + tf.cast(rounded_peak >= 2.0 ** (_PEAK_EXPONENT + 1), tf.int64))
     exponent = tf.where(usable, exponent, tf.zeros_like(exponent))
     values = tf.cast(x * _power_of_two(-exponent)[..., None], wire)
     exponent_slots = tf.bitcast(tf.cast(exponent, tf.int32), wire)  # [r, blocks, 2]
@@ -125,7 +149,8 @@ class Compressed:
     def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
         if not self._compresses(like):
             return self.comm.recv(peer, like)
-        wire_like = tf.zeros([_wire_length(tf.shape(like)[0])], self.wire)
+        length = like.shape[0] if like.shape[0] is not None else tf.shape(like)[0]
+        wire_like = tf.zeros([_wire_length(length)], self.wire)
         return _decode(self.comm.recv(peer, like=wire_like)[None], like.dtype)[0]
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "launcher_world_size",
     "make_engine",
     "mpi_world",
+    "resolve_compression",
     "strategy_compression",
 ]
 
@@ -93,44 +94,61 @@ def choose_backend(backend: str, strategy) -> str:
     return backend
 
 
+def _cross_device_ops(strategy):
+    """A MirroredStrategy's cross-device ops (None for other strategies).
+    tf.distribute has no public accessor: the private attribute is read here
+    only, and its absence is an error."""
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return None
+    if not hasattr(strategy.extended, "_cross_device_ops"):
+        raise RuntimeError("tf_adasum: MirroredStrategy.extended._cross_device_ops is gone in this TensorFlow.")
+    return strategy.extended._cross_device_ops
+
+
 def communication_options(strategy) -> tf.distribute.experimental.CommunicationOptions:
     """The options the strategy's collectives use: those of its cross-device
     ops when they carry options (`tf_adasum.AdasumCrossDeviceOps`), else a
     `MultiWorkerMirroredStrategy`'s own (e.g. its collective timeout), else
-    the defaults. tf.distribute has no public accessor; the two private
-    attributes are read here only, and their absence is an error."""
-    extended = strategy.extended
-    if isinstance(strategy, tf.distribute.MirroredStrategy):
-        if not hasattr(extended, "_cross_device_ops"):
-            raise RuntimeError("tf_adasum: MirroredStrategy.extended._cross_device_ops is gone in this TensorFlow.")
-        options = getattr(extended._cross_device_ops, "options", None)
-        if isinstance(options, collective_util.Options):
-            return options
+    the defaults. MultiWorkerMirroredStrategy has no public accessor either;
+    its private attribute is read here only, and its absence is an error."""
+    options = getattr(_cross_device_ops(strategy), "options", None)
+    if isinstance(options, collective_util.Options):
+        return options
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        if not hasattr(extended, "_communication_options"):
+        if not hasattr(strategy.extended, "_communication_options"):
             raise RuntimeError(
                 "tf_adasum: MultiWorkerMirroredStrategy.extended._communication_options is gone in this TensorFlow."
             )
-        return extended._communication_options
+        return strategy.extended._communication_options
     return tf.distribute.experimental.CommunicationOptions()
 
 
 def strategy_compression(strategy) -> str | None:
     """The wire format of the strategy's cross-device ops when they carry one
-    (`tf_adasum.AdasumCrossDeviceOps`), else None."""
-    if isinstance(strategy, tf.distribute.MirroredStrategy):
-        if not hasattr(strategy.extended, "_cross_device_ops"):
-            raise RuntimeError("tf_adasum: MirroredStrategy.extended._cross_device_ops is gone in this TensorFlow.")
-        return getattr(strategy.extended._cross_device_ops, "compression", None)
-    return None
+    (`tf_adasum.AdasumCrossDeviceOps(compression=...)`), else None."""
+    return getattr(_cross_device_ops(strategy), "compression", None)
+
+
+def resolve_compression(compression: str | None, strategy) -> str | None:
+    """The optimizer's `compression`, else the strategy's; a ValueError naming
+    both when they differ (neither silently wins)."""
+    from_strategy = strategy_compression(strategy)
+    if compression is not None and from_strategy is not None and compression != from_strategy:
+        raise ValueError(
+            "AdasumOptimizer(compression=...) and the strategy's AdasumCrossDeviceOps(compression=...) "
+            f"differ; set one of them. Received: compression={compression!r}, the cross-device ops' "
+            f"compression={from_strategy!r}"
+        )
+    return compression if compression is not None else from_strategy
 
 
 def make_engine(backend: str, strategy, compression: str | None = None) -> Engine:
     """The engine for `backend` (see `choose_backend`) under `strategy`.
 
     `compression`: the wire format (`tf_adasum.comm.compression`); None takes
-    the strategy's `tf_adasum.AdasumCrossDeviceOps` one, if any."""
+    the strategy's `tf_adasum.AdasumCrossDeviceOps` one, if any (see
+    `resolve_compression`)."""
     if choose_backend(backend, strategy) == "mpi":
         return MPIEngine(mpi_world(), compression=compression)
-    compression = compression if compression is not None else strategy_compression(strategy)
+    compression = resolve_compression(compression, strategy)
     return TFEngine.for_strategy(strategy, communication_options(strategy), compression)
