@@ -13,9 +13,10 @@ line on stderr and exit status 2. TensorFlow's log lines are hidden unless
 Kernels: TensorFlow 2.21 turns its oneDNN CPU kernels on by default only on
 processors with AVX512_VNNI, AVX512_BF16, AVX_VNNI or AMX; elsewhere (e.g. an
 AVX2-only AMD EPYC) it falls back to its Eigen kernels, built without AVX2 and
-FMA: 3-4x slower for convolutions here. So that minutes per epoch mean the same on every x86 machine,
-the evaluation sets ``TF_ENABLE_ONEDNN_OPTS=1`` unless it is set already (its
-worker processes inherit it); each record's ``kernels`` says what ran.
+FMA: 3-4x slower for convolutions here. So that minutes per epoch mean the
+same on every x86 machine, the evaluation sets ``TF_ENABLE_ONEDNN_OPTS=1``
+unless it is set already (its worker processes inherit it); each record's
+``kernels`` says what ran.
 """
 
 from __future__ import annotations
