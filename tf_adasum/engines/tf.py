@@ -33,7 +33,11 @@ def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float |
     """Eagerly sums a few float64 numbers over the worker processes of
     `strategy` (each worker contributes once), with one raw collective on each
     worker's first device: usable before any variable exists and outside any
-    replica context. Every worker must call it at the same point."""
+    replica context. Every worker must call it at the same point.
+
+    It returns only once every worker holds the totals: a second, empty
+    exchange follows the sum, so a worker may raise (or exit) on the totals
+    right away without cutting off a peer still receiving them."""
     devices, ranks = cluster.cluster_devices(strategy)
     per_worker = len(ranks)
     leaders = [devices[w] for w in range(0, len(devices), per_worker)]
@@ -41,19 +45,30 @@ def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float |
         return [float(v) for v in values]
     mine = leaders[ranks[0] // per_worker]
     group_key = collective.KEYS.group_key(leaders)
-    instance_key = collective.KEYS.instance_key(group_key, mine)
-    with tf.init_scope(), tf.device(mine):
-        total = tf.raw_ops.CollectiveReduceV2(
-            input=tf.constant(list(values), tf.float64),
+
+    def add(numbers):
+        return tf.raw_ops.CollectiveReduceV2(
+            input=tf.constant(numbers, tf.float64),
             group_size=len(leaders),
             group_key=group_key,
-            instance_key=instance_key,
+            instance_key=collective.KEYS.instance_key(group_key, mine),
             ordering_token=[],
             merge_op="Add",
             final_op="Id",
             timeout_seconds=float(timeout_seconds or 0),
         )
-        return [float(v) for v in total.numpy()]
+
+    with tf.init_scope(), tf.device(mine):
+        total = [float(v) for v in add(list(values)).numpy()]
+        try:
+            # A peer finishes this exchange only after every worker has
+            # entered it, that is, has its totals. Only the last worker out
+            # can see it fail (its peers may have left already), and its
+            # totals are complete by then.
+            add([0.0]).numpy()
+        except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError):
+            pass
+        return total
 
 
 class TFEngine(Engine):

@@ -240,23 +240,6 @@ class _Progress:
             print(flush=True)
 
 
-def _logical_cpus(count: int) -> list[str]:
-    """`count` logical CPU devices (configured here unless TF already started with enough)."""
-    import tensorflow as tf
-
-    try:
-        cpus = tf.config.list_physical_devices("CPU")
-        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
-    except RuntimeError:  # already initialised, e.g. inside a test process
-        pass
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if len(devices) < count:
-        raise RuntimeError(
-            f"{count} logical CPU devices are needed, but TensorFlow already started with {len(devices)}."
-        )
-    return devices
-
-
 RESULT_FILES = ("results.jsonl", "results.csv", "accuracy.png", "scaling.png")
 
 
@@ -312,8 +295,10 @@ def check_inputs(args) -> _Plan:
 
 def _run_timing(args, plan: _Plan) -> None:
     """Time per step and communication share of the timing models (see `tf_adasum.eval.timing`)."""
-    devices = _logical_cpus(max(plan.timing["replicas"]))
+    from tf_adasum.eval.runner import logical_cpus
     from tf_adasum.eval.timing import time_model
+
+    devices = logical_cpus(max(plan.timing["replicas"]))
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "timing.jsonl")
@@ -343,28 +328,16 @@ def _run_grid(args, plan: _Plan) -> None:
         f"results in {args.out}",
         flush=True,
     )
-    local = [c for c in plan.configs if c.engine == "local-devices"]
-    devices = _logical_cpus(max(c.replicas for c in local)) if local else []
-    from tf_adasum.eval.data import load_dataset
     from tf_adasum.eval.plots import plot
     from tf_adasum.eval.runner import run
 
     os.makedirs(args.out, exist_ok=True)
-    datasets = {}
     records = list(plan.previous)
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
-        if config.engine == "local-devices" and config.dataset not in datasets:
-            datasets[config.dataset] = load_dataset(config.dataset, args.data_dir)
         progress = _Progress(index, len(todo), config)
         record = run(
-            config,
-            datasets.get(config.dataset),
-            devices,
-            stop_at_target=not args.no_stop,
-            progress=progress,
-            data_dir=args.data_dir,
-            verbose=args.verbose,
+            config, stop_at_target=not args.no_stop, progress=progress, data_dir=args.data_dir, verbose=args.verbose
         )
         progress.close()
         records.append(record)

@@ -1,15 +1,22 @@
-"""Evaluation runs across processes: ``--engine tf-collective`` (N worker
-processes of a MultiWorkerMirroredStrategy on localhost, via `tf_adasum.launch`)
-and ``--engine mpi`` (N ranks under ``mpirun``), one replica per process.
+"""The processes of an evaluation run. Every run has processes of its own:
+``--engine local-devices`` one process with N logical CPU devices (a
+MirroredStrategy), ``--engine tf-collective`` N worker processes of a
+MultiWorkerMirroredStrategy on localhost (via `tf_adasum.launch`) and
+``--engine mpi`` N ranks under ``mpirun``, one replica per process.
 
-`run_in_processes` (the parent) starts N copies of this module as a program;
-each loads the dataset, trains on its shard of the training set (every process
-runs the same number of steps per epoch), evaluates its shard of the test set,
-and sums the counts over the processes, so every process takes the same
-stop-at-target decision. Process 0 prints one ``PROGRESS epoch accuracy
-seconds`` line per epoch and writes the result record. The processes' other
-output is shown only with ``verbose``, or when a run fails, as its last lines
-(without TensorFlow's INFO and WARNING log lines unless ``verbose``).
+`run_in_processes` (the parent) starts this module as a program, once or N
+times; each process loads the dataset, trains on its shard of the training
+set (every process runs the same number of steps per epoch), evaluates its
+shard of the test set, and sums the counts over the processes, so every
+process takes the same stop-at-target decision. Process 0 prints one
+``PROGRESS epoch accuracy seconds`` line per epoch and, when training ends,
+``RECORD`` and the result record as one JSON line. The parent then ends the
+processes: TensorFlow's teardown of a `fit` over a distributed dataset waits
+for tf.data's autotuning threads, 10-60 s at a time (seen in gdb: the
+per-device iterators' ``RootDataset`` destructor), which is no part of the
+run. The processes' other output is shown only with ``verbose``, or when a run
+fails, as its last lines (without TensorFlow's INFO and WARNING log lines
+unless ``verbose``).
 """
 
 from __future__ import annotations
@@ -19,14 +26,14 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 
 __all__ = ["run_in_processes"]
 
-_PROGRESS = "PROGRESS "
+_PROGRESS, _RECORD = "PROGRESS ", "RECORD "
 _WORKER_PREFIX = re.compile(r"^\[worker \d+\] ")  # tf_adasum.launch's, before each worker's line
 
 
@@ -37,55 +44,74 @@ def run_in_processes(
     data_dir: str | None,
     verbose: bool = False,
 ) -> dict:
-    """Runs `config` (engine ``tf-collective`` or ``mpi``) and returns its record."""
+    """Runs `config` in its processes and returns its record."""
     from tf_adasum.comm.mpi import mpirun_command
     from tf_adasum.eval.quiet import QUIET_ENVIRONMENT, is_startup_noise
 
     n = config.replicas
-    with tempfile.TemporaryDirectory(prefix="tf_adasum_eval_") as folder:
-        result_path = os.path.join(folder, "record.json")
-        program = [os.path.abspath(__file__), json.dumps(dataclasses.asdict(config)), result_path]
-        program += ["--data-dir", data_dir] if data_dir else []
-        program += [] if stop_at_target else ["--no-stop"]
-        if config.engine == "tf-collective":
-            command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *program], "[worker 0] "
-        else:
-            command, prefix = mpirun_command(n) + [sys.executable, *program], ""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("TF_CONFIG", None)
-        if not verbose:
-            env = {**QUIET_ENVIRONMENT, **env}
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail: list[str] = []
+    program = [os.path.abspath(__file__), json.dumps(dataclasses.asdict(config))]
+    program += ["--data-dir", data_dir] if data_dir else []
+    program += [] if stop_at_target else ["--no-stop"]
+    if config.engine == "local-devices":
+        command, prefix = [sys.executable, *program], ""
+    elif config.engine == "tf-collective":
+        command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *program], "[worker 0] "
+    else:
+        command, prefix = mpirun_command(n) + [sys.executable, *program], ""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    if not verbose:
+        env = {**QUIET_ENVIRONMENT, **env}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    tail: list[str] = []
+    record = None
+    try:
         for line in process.stdout:
             if line.startswith(prefix + _PROGRESS):
                 if progress is not None:
                     epoch, accuracy, seconds = line[len(prefix + _PROGRESS) :].split()
                     progress(int(epoch), float(accuracy), float(seconds))
+            elif line.startswith(prefix + _RECORD):
+                record = json.loads(line[len(prefix + _RECORD) :])
+                break
             elif verbose:
                 print(line, end="", flush=True)
             elif not is_startup_noise(_WORKER_PREFIX.sub("", line).encode()):
                 tail = (tail + [line])[-60:]
-        if process.wait() != 0 or not os.path.exists(result_path):
-            raise RuntimeError(
-                f"The {config.engine} run with {n} processes failed (exit code {process.returncode}); "
-                f"its last output:\n{''.join(tail)}"
-            )
-        with open(result_path, encoding="utf-8") as f:
-            return json.load(f)
+    finally:
+        if record is not None or process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # the run is over (see the module docstring), or failed here
+        process.wait()
+        process.stdout.close()
+    if record is None:
+        raise RuntimeError(
+            f"The {config.engine} run with {n} replicas failed (exit code {process.returncode}); "
+            f"its last output:\n{''.join(tail)}"
+        )
+    return record
 
 
 # -- the program each process runs -------------------------------------------------
 
 
 class _Processes:
-    """This process's place: a MultiWorkerMirroredStrategy worker or an MPI rank."""
+    """This process's place: the only process (local devices), a
+    MultiWorkerMirroredStrategy worker or an MPI rank."""
 
-    def __init__(self, engine: str):
+    def __init__(self, engine: str, replicas: int):
         import tensorflow as tf
 
-        self.strategy = None
-        if engine == "tf-collective":
+        self.strategy, self.rank, self.size = None, 0, 1
+        if engine == "local-devices":
+            import tf_adasum
+            from tf_adasum.eval.runner import logical_cpus
+
+            self.strategy = tf.distribute.MirroredStrategy(
+                logical_cpus(replicas), cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
+            )
+        elif engine == "tf-collective":
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
             self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
         else:
@@ -99,6 +125,8 @@ class _Processes:
         return (self.strategy or tf.distribute.get_strategy()).scope()
 
     def sum(self, values: list[float]) -> list[float]:
+        if self.size == 1:
+            return values
         if self.strategy is not None:
             from tf_adasum.engines.tf import sum_over_workers
 
@@ -110,9 +138,8 @@ class _Processes:
 
 
 def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="one process of a tf_adasum evaluation run")
+    parser = argparse.ArgumentParser(description="the processes of a tf_adasum evaluation run")
     parser.add_argument("config")
-    parser.add_argument("result_path")
     parser.add_argument("--data-dir")
     parser.add_argument("--no-stop", action="store_true")
     args = parser.parse_args(argv)
@@ -123,14 +150,14 @@ def _main(argv=None) -> None:
     from tf_adasum.eval.data import as_float_images, load_dataset, training_stream
 
     config = runner.RunConfig(**json.loads(args.config)).validate()
-    processes = _Processes(config.engine)
+    processes = _Processes(config.engine, config.replicas)
     rank, size = processes.rank, processes.size
     keras.utils.set_random_seed(config.seed)
     (x_train, y_train), (x_test, y_test) = runner.subset(config, load_dataset(config.dataset, args.data_dir))
     global_batch = config.replicas * config.batch_per_replica
     steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every process, whatever its shard's size
-    train, _ = training_stream(x_train[rank::size], y_train[rank::size], config.batch_per_replica, config.seed + rank)
-    if processes.strategy is not None:
+    train, _ = training_stream(x_train[rank::size], y_train[rank::size], global_batch // size, config.seed + rank)
+    if config.engine == "tf-collective":
         dataset = train
         train = processes.strategy.distribute_datasets_from_function(lambda context: dataset)
     with processes.scope():
@@ -146,22 +173,32 @@ def _main(argv=None) -> None:
     def report(epoch, accuracy, seconds):
         print(f"{_PROGRESS}{epoch} {accuracy} {seconds}", flush=True)
 
+    class Finish(keras.callbacks.Callback):
+        """Process 0 prints the record; no process leaves before it has."""
+
+        def on_train_end(self, logs=None):
+            if rank == 0:
+                record = runner.record(config, epoch_end.accuracy, epoch_end.seconds, not args.no_stop)
+                print(_RECORD + json.dumps(record), flush=True)
+            processes.sum([0.0])
+
     epoch_end = runner.EpochEnd(
         measure_accuracy, None if args.no_stop else config.target, report if rank == 0 else None
     )
     model.fit(
-        train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=[epoch_end]
+        train,
+        epochs=config.epochs,
+        steps_per_epoch=steps_per_epoch,
+        shuffle=False,
+        verbose=0,
+        callbacks=[epoch_end, Finish()],
     )
-    processes.sum([0.0])  # no process leaves while another still trains
-    if rank == 0:
-        with open(args.result_path, "w", encoding="utf-8") as f:
-            json.dump(runner.record(config, epoch_end.accuracy, epoch_end.seconds, not args.no_stop), f)
     sys.stdout.flush()
-    if processes.strategy is None:
+    if config.engine == "mpi":
         from tf_adasum.comm.mpi import mpi
 
-        mpi().Finalize()
-    os._exit(0)  # skip TF's teardown, which can wait on workers that already left
+        mpi().Finalize()  # mpirun treats an exit without it as a failure
+    os._exit(0)  # skip TF's teardown (the parent may have ended this process already)
 
 
 if __name__ == "__main__":

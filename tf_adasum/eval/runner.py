@@ -35,6 +35,7 @@ __all__ = [
     "compiled_model",
     "correct_counter",
     "learning_rate",
+    "logical_cpus",
     "optimizer_for",
     "record",
     "run",
@@ -94,57 +95,44 @@ def subset(config: RunConfig, data):
 
 def run(
     config: RunConfig,
-    data,
-    devices: list[str],
     stop_at_target: bool = True,
     progress: Callable[[int, float, float], None] | None = None,
     data_dir: str | None = None,
     verbose: bool = False,
 ) -> dict:
-    """Trains `config` and returns its result record (see the README for the fields).
+    """Trains `config` in processes of its own and returns its result record
+    (see the README for the fields); `tf_adasum.eval.processes` runs it.
 
     An epoch is ``ceil(training examples / global batch)`` steps over one
     shuffled, repeated stream of the training set.
 
     Args:
       config: the configuration (validated).
-      data: ``((x_train, y_train), (x_test, y_test))`` uint8 arrays (local
-        devices; worker processes and MPI ranks load the dataset themselves).
-      devices: at least `config.replicas` devices; the first ones are used
-        (local devices only).
       stop_at_target: stop after the first epoch that reaches the target.
       progress: called after each epoch with (epoch, test accuracy, seconds).
-      data_dir: where processes find the dataset (`load_dataset`).
-      verbose: show the processes' output (worker processes and MPI ranks),
-        TensorFlow's log lines included.
+      data_dir: where the processes find the dataset (`load_dataset`).
+      verbose: show the processes' output, TensorFlow's log lines included.
     """
-    config.validate()
-    if config.engine != "local-devices":
-        from tf_adasum.eval.processes import run_in_processes
+    from tf_adasum.eval.processes import run_in_processes
 
-        return run_in_processes(config, stop_at_target, progress, data_dir, verbose)
+    return run_in_processes(config.validate(), stop_at_target, progress, data_dir, verbose)
+
+
+def logical_cpus(count: int) -> list[str]:
+    """`count` logical CPU devices (configured here unless TF already started with enough)."""
     import tensorflow as tf
 
-    import tf_adasum
-    from tf_adasum.eval.data import as_float_images, training_stream
-
-    keras.utils.set_random_seed(config.seed)
-    (x_train, y_train), (x_test, y_test) = subset(config, data)
-    x_test = as_float_images(x_test)
-    global_batch = config.replicas * config.batch_per_replica
-    train, steps_per_epoch = training_stream(x_train, y_train, global_batch, config.seed)
-    strategy = tf.distribute.MirroredStrategy(
-        devices[: config.replicas], cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
-    )
-    with strategy.scope():
-        model = compiled_model(config, steps_per_epoch)
-    count_correct = correct_counter(model, x_test, y_test)
-    epoch_end = EpochEnd(lambda: count_correct() / len(y_test), config.target if stop_at_target else None, progress)
-    # shuffle=False: the stream is shuffled already (Keras would warn that it ignores shuffle=True).
-    model.fit(
-        train, epochs=config.epochs, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=[epoch_end]
-    )
-    return record(config, epoch_end.accuracy, epoch_end.seconds, stop_at_target)
+    try:
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError:  # already initialised, e.g. inside a test process
+        pass
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(devices) < count:
+        raise RuntimeError(
+            f"{count} logical CPU devices are needed, but TensorFlow already started with {len(devices)}."
+        )
+    return devices[:count]
 
 
 def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
