@@ -71,7 +71,9 @@ def test_mismatched_variables_raise_on_every_rank(tmp_path):
 
 @pytest.mark.mpi
 def test_uneven_step_counts_end_in_a_timeout(tmp_path):
-    _run(2, "uneven", tmp_path, TF_ADASUM_MPI_TIMEOUT=str(FAILURE_TIMEOUT))
+    _run(
+        2, "uneven", tmp_path, TF_ADASUM_MPI_TIMEOUT=str(FAILURE_TIMEOUT), TEST_COLLECTIVE_TIMEOUT=str(FAILURE_TIMEOUT)
+    )
     reports = read_reports(tmp_path, "uneven", 2)
     assert reports[0]["raised"], reports[0]
     assert f"did not complete within {FAILURE_TIMEOUT} s" in reports[0]["message"]
