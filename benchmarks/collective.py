@@ -35,12 +35,18 @@ report (under MPI a compressed combine leaves the native op for the driver over
 mpi4py, so a ratio there would mix two paths):
   compressed_ms      Adasum with that wire format (`tf_adasum.comm.compression`)
   ratio_compressed   compressed_ms / adasum_ms (below 1: compression pays)
+Every path runs under the same TensorFlow CPU allocator (``--cpu-allocator``,
+recorded as ``cpu_allocator``): ``bfc`` (default here) sets
+``TF_CPU_ALLOCATOR_USE_BFC=true``, TensorFlow's pooling allocator; ``default``
+leaves TensorFlow's malloc-based one, under which every buffer of 32 MiB or
+more is fresh memory from the kernel, page-faulted on first touch (2.5-3 us a
+page on the development machine), for native and Adasum alike.
 Times are medians over repeats of one call each (TF paths inside a tf.function
 traced beforehand; process engines start each call together after a barrier;
 MPI ranks call the methods in turn within each repeat).
 
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
-       [--sizes 4096 ...] [--dtype float32] [--compression float16]
+       [--sizes 4096 ...] [--dtype float32] [--compression float16] [--cpu-allocator bfc]
 """
 
 from __future__ import annotations
@@ -71,6 +77,12 @@ def _parse_args(argv=None):
         "--process-repeats", type=int, default=20, help="timed calls per measurement with workers or MPI ranks"
     )
     parser.add_argument("--compression", choices=["float16", "bfloat16"], help="also time Adasum with this wire format")
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=["bfc", "default"],
+        default="bfc",
+        help="TensorFlow's CPU allocator for every path (TF_CPU_ALLOCATOR_USE_BFC); see the module docstring",
+    )
     return parser.parse_args(argv)
 
 
@@ -98,6 +110,7 @@ def _median_ms(fn, arg, repeats, min_seconds):
 
 def main(argv=None):
     args = _parse_args(argv)
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = str(args.cpu_allocator == "bfc").lower()  # read when TF starts
     global tf
     import tensorflow as tf
 
@@ -126,6 +139,8 @@ def _forwarded_args(args):
         args.dtype,
         "--process-repeats",
         str(args.process_repeats),
+        "--cpu-allocator",
+        args.cpu_allocator,
     ]
     return forwarded + (["--compression", args.compression] if args.compression else [])
 
@@ -209,6 +224,7 @@ def _record(engine, n, dtype, elements, adasum_ms, native_ms, rvh_sum_ms):
         "rvh_sum_ms": rvh_sum_ms,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "cpu_allocator": "bfc" if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") == "true" else "default",
     }
     record["ratio"] = record["adasum_ms"] / record["native_ms"]
     record["ratio_rvh_sum"] = record["rvh_sum_ms"] / record["native_ms"]
