@@ -40,7 +40,9 @@ recorded as ``cpu_allocator``): ``bfc`` (default here) sets
 ``TF_CPU_ALLOCATOR_USE_BFC=true``, TensorFlow's pooling allocator; ``default``
 leaves TensorFlow's malloc-based one, under which every buffer of 32 MiB or
 more is fresh memory from the kernel, page-faulted on first touch (2.5-3 us a
-page on the development machine), for native and Adasum alike.
+page on the development machine), for native and Adasum alike. (Set before
+TensorFlow is imported: ``main`` called in a process that has TensorFlow
+already keeps its allocator, whatever ``cpu_allocator`` then says.)
 Times are medians over repeats of one call each (TF paths inside a tf.function
 traced beforehand; process engines start each call together after a barrier;
 MPI ranks call the methods in turn within each repeat).

@@ -124,3 +124,17 @@ def check_evaluation_engine(engine: str, combiners: list[str], out) -> None:
         assert len(record["accuracy_per_epoch"]) == 2 and len(record["seconds_per_epoch"]) == 2
         assert all(0.0 <= a <= 1.0 for a in record["accuracy_per_epoch"])
         assert record["accuracy_per_epoch"][-1] > 0.3  # 20 steps of LeNet-5 on MNIST: well above chance
+    assert _running_evaluation_processes() == [], "an evaluation run left processes behind"
+
+
+def _running_evaluation_processes() -> list[str]:
+    """The pids of processes running `tf_adasum/eval/processes.py` (Linux /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"tf_adasum/eval/processes.py" in f.read():
+                    pids.append(pid)
+        except OSError:  # it ended meanwhile
+            pass
+    return pids

@@ -41,7 +41,10 @@ def test_compressed_collective_across_workers(n, compression, tmp_path):
     check_collective(tmp_path, n, compression)
 
 
-@pytest.mark.parametrize("n", [3, 4])  # N = 2 trains across workers in test_backup and the failure tests
+# N = 2 across workers: the compressed collective, the backup test (bitwise
+# against an uninterrupted run) and the failure tests; under mpirun, this
+# check at N = 2.
+@pytest.mark.parametrize("n", [3, 4])
 def test_collective_and_training_across_workers(n, tmp_path):
     output = _launch(n, "collective,train,diagnostics", tmp_path)
     for index in range(n):

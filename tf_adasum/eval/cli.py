@@ -41,7 +41,7 @@ ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
 
 def _quick() -> list[RunConfig]:
     """`make eval`: the scaling question at a target this machine reaches in
-    minutes. LeNet-5 to 98% on 4 in-process replicas at effective batches 256,
+    minutes. LeNet-5 to 98% on 4 local replicas at effective batches 256,
     1024 and 4096: Adasum, and Keras' gradient averaging at the base and at
     the scaled learning rate (local steps are in the paper preset)."""
     common = dict(model="lenet5", dataset="mnist", replicas=4, lr=1e-3, target=0.98, epochs=8)

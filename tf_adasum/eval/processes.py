@@ -10,11 +10,12 @@ set (every process runs the same number of steps per epoch), evaluates its
 shard of the test set, and sums the counts over the processes, so every
 process takes the same stop-at-target decision. Process 0 prints one
 ``PROGRESS epoch accuracy seconds`` line per epoch and, when training ends,
-``RECORD`` and the result record as one JSON line. The parent then ends the
-processes: TensorFlow's teardown of a `fit` over a distributed dataset waits
-for tf.data's autotuning threads, 10-60 s at a time (seen in gdb: the
-per-device iterators' ``RootDataset`` destructor), which is no part of the
-run. The processes' other output is shown only with ``verbose``, or when a run
+``RECORD`` and the result record as one JSON line; then every process ends
+itself from ``on_train_end`` (``os._exit``, after ``MPI_Finalize`` under
+mpirun), so TensorFlow's teardown never runs: at `fit`'s return it waits for
+tf.data's autotuning threads of the per-device iterators (seen in gdb: the
+``RootDataset`` iterator's destructor), 10-60 s at a time, up to 160 s in
+one run, which is no part of the run. The processes' other output is shown only with ``verbose``, or when a run
 fails, as its last lines (without TensorFlow's INFO and WARNING log lines
 unless ``verbose``).
 """
@@ -26,7 +27,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -62,11 +62,9 @@ def run_in_processes(
     env.pop("TF_CONFIG", None)
     if not verbose:
         env = {**QUIET_ENVIRONMENT, **env}
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
-    record = None
+    record, bad_record = None, ""
     try:
         for line in process.stdout:
             if line.startswith(prefix + _PROGRESS):
@@ -74,21 +72,24 @@ def run_in_processes(
                     epoch, accuracy, seconds = line[len(prefix + _PROGRESS) :].split()
                     progress(int(epoch), float(accuracy), float(seconds))
             elif line.startswith(prefix + _RECORD):
-                record = json.loads(line[len(prefix + _RECORD) :])
-                break
+                try:
+                    record = json.loads(line[len(prefix + _RECORD) :])
+                except json.JSONDecodeError as error:
+                    bad_record = f"(its record line is not JSON: {error})\n"
             elif verbose:
                 print(line, end="", flush=True)
             elif not is_startup_noise(_WORKER_PREFIX.sub("", line).encode()):
                 tail = (tail + [line])[-60:]
-    finally:
-        if record is not None or process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # the run is over (see the module docstring), or failed here
         process.wait()
+    finally:
+        if process.poll() is None:  # the parent failed (e.g. interrupted): stop the run; mpirun
+            process.terminate()  # and the launcher pass SIGTERM on to their processes
+            process.wait()
         process.stdout.close()
-    if record is None:
+    if record is None or process.returncode != 0:
         raise RuntimeError(
             f"The {config.engine} run with {n} replicas failed (exit code {process.returncode}); "
-            f"its last output:\n{''.join(tail)}"
+            f"its last output:\n{''.join(tail)}{bad_record}"
         )
     return record
 
@@ -174,13 +175,20 @@ def _main(argv=None) -> None:
         print(f"{_PROGRESS}{epoch} {accuracy} {seconds}", flush=True)
 
     class Finish(keras.callbacks.Callback):
-        """Process 0 prints the record; no process leaves before it has."""
+        """Process 0 prints the record; once every process is past that point,
+        each ends itself (see the module docstring)."""
 
         def on_train_end(self, logs=None):
             if rank == 0:
                 record = runner.record(config, epoch_end.accuracy, epoch_end.seconds, not args.no_stop)
                 print(_RECORD + json.dumps(record), flush=True)
             processes.sum([0.0])
+            sys.stdout.flush()
+            if config.engine == "mpi":
+                from tf_adasum.comm.mpi import mpi
+
+                mpi().Finalize()  # mpirun treats an exit without it as a failure
+            os._exit(0)
 
     epoch_end = runner.EpochEnd(
         measure_accuracy, None if args.no_stop else config.target, report if rank == 0 else None
@@ -193,12 +201,7 @@ def _main(argv=None) -> None:
         verbose=0,
         callbacks=[epoch_end, Finish()],
     )
-    sys.stdout.flush()
-    if config.engine == "mpi":
-        from tf_adasum.comm.mpi import mpi
-
-        mpi().Finalize()  # mpirun treats an exit without it as a failure
-    os._exit(0)  # skip TF's teardown (the parent may have ended this process already)
+    raise RuntimeError("tf_adasum: fit returned without calling on_train_end")
 
 
 if __name__ == "__main__":
