@@ -237,12 +237,12 @@ def test_small_resnet_on_idx_data(tmp_path, capsys):
 
 def test_timing_models(tmp_path, capsys):
     argv = [
-        "--models", "bert", "--combiners", "keras", "adasum", "--replicas", "2", "--batch-per-replica", "2",
+        "--models", "bert", "--combiners", "adasum", "--replicas", "2", "--batch-per-replica", "2",
         "--timing-steps", "1", "--out", str(tmp_path),
     ]  # fmt: skip
     assert cli.main(argv) == 0
     records = [json.loads(line) for line in open(tmp_path / "timing.jsonl", encoding="utf-8")]
-    assert [r["combiner"] for r in records] == ["keras", "adasum"]
+    assert [r["combiner"] for r in records] == ["adasum"]
     for record in records:
         assert record["seconds_per_step"] > 0 and 0 < record["communication_share"] <= 1
         assert record["params"] > 1_000_000
