@@ -329,16 +329,14 @@ def _run_grid(args, plan: _Plan) -> None:
         flush=True,
     )
     from tf_adasum.eval.plots import plot
-    from tf_adasum.eval.runner import run
+    from tf_adasum.eval.processes import run_in_processes
 
     os.makedirs(args.out, exist_ok=True)
     records = list(plan.previous)
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
         progress = _Progress(index, len(todo), config)
-        record = run(
-            config, stop_at_target=not args.no_stop, progress=progress, data_dir=args.data_dir, verbose=args.verbose
-        )
+        record = run_in_processes(config, not args.no_stop, progress, args.data_dir, args.verbose)
         progress.close()
         records.append(record)
         with open(results_path, mode, encoding="utf-8") as f:

@@ -15,9 +15,9 @@ itself from ``on_train_end`` (``os._exit``, after ``MPI_Finalize`` under
 mpirun), so TensorFlow's teardown never runs: at `fit`'s return it waits for
 tf.data's autotuning threads of the per-device iterators (seen in gdb: the
 ``RootDataset`` iterator's destructor), 10-60 s at a time, up to 160 s in
-one run, which is no part of the run. The processes' other output is shown only with ``verbose``, or when a run
-fails, as its last lines (without TensorFlow's INFO and WARNING log lines
-unless ``verbose``).
+one run, which is no part of the run. The processes' other output is shown
+only with ``verbose``, or when a run fails, as its last lines (without
+TensorFlow's INFO and WARNING log lines unless ``verbose``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,19 @@ def run_in_processes(
     data_dir: str | None,
     verbose: bool = False,
 ) -> dict:
-    """Runs `config` in its processes and returns its record."""
+    """Runs `config` (validated) in its processes and returns its result record
+    (see the README for the fields).
+
+    An epoch is ``ceil(training examples / global batch)`` steps over one
+    shuffled, repeated stream of the training set.
+
+    Args:
+      config: the configuration.
+      stop_at_target: stop after the first epoch that reaches the target.
+      progress: called after each epoch with (epoch, test accuracy, seconds).
+      data_dir: where the processes find the dataset (`load_dataset`).
+      verbose: show the processes' output, TensorFlow's log lines included.
+    """
     from tf_adasum.comm.mpi import mpirun_command
     from tf_adasum.eval.quiet import QUIET_ENVIRONMENT, is_startup_noise
 

@@ -1,4 +1,5 @@
-"""One run of the scaling evaluation: train a model to a target accuracy.
+"""The parts of one run of the scaling evaluation (train a model to a target
+accuracy), which `tf_adasum.eval.processes` runs in processes of its own.
 
 Every combiner in a grid trains with the same base learning rate, schedule and
 optimizer settings (Adam), as in the paper: no per-combiner tuning. ``keras``
@@ -38,7 +39,6 @@ __all__ = [
     "logical_cpus",
     "optimizer_for",
     "record",
-    "run",
     "subset",
 ]  # COMBINERS, ENGINES and RunConfig live in tf_adasum.eval.config (no TensorFlow there)
 
@@ -91,31 +91,6 @@ def subset(config: RunConfig, data):
     if config.test_examples:
         x_test, y_test = x_test[: config.test_examples], y_test[: config.test_examples]
     return (x_train, y_train), (x_test, y_test)
-
-
-def run(
-    config: RunConfig,
-    stop_at_target: bool = True,
-    progress: Callable[[int, float, float], None] | None = None,
-    data_dir: str | None = None,
-    verbose: bool = False,
-) -> dict:
-    """Trains `config` in processes of its own and returns its result record
-    (see the README for the fields); `tf_adasum.eval.processes` runs it.
-
-    An epoch is ``ceil(training examples / global batch)`` steps over one
-    shuffled, repeated stream of the training set.
-
-    Args:
-      config: the configuration (validated).
-      stop_at_target: stop after the first epoch that reaches the target.
-      progress: called after each epoch with (epoch, test accuracy, seconds).
-      data_dir: where the processes find the dataset (`load_dataset`).
-      verbose: show the processes' output, TensorFlow's log lines included.
-    """
-    from tf_adasum.eval.processes import run_in_processes
-
-    return run_in_processes(config.validate(), stop_at_target, progress, data_dir, verbose)
 
 
 def logical_cpus(count: int) -> list[str]:
