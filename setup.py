@@ -48,9 +48,9 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["tf_adasum", "tf_adasum.*"]),
-    # The native MPI ops are compiled on first use (or by `make install`) against
-    # the installed TensorFlow and MPI, so the source ships with the package.
-    package_data={"tf_adasum.engines": ["native/*.cc"]},
+    # The native ops are compiled on first use (or by `make install`) against
+    # the installed TensorFlow (and MPI), so their sources ship with the package.
+    package_data={"tf_adasum": ["native/*.cc", "native/*.h"]},
     python_requires=">=3.10",
     install_requires=["numpy>=1.26", "keras>=3.0"],
     extras_require=EXTRAS,

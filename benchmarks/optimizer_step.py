@@ -8,7 +8,8 @@ Prints one JSON object per model:
   bytes        the trainable weights' size
   extra_state_bytes     optimizer state the wrapper adds beyond the inner optimizer's slots
   transient_copy_bytes  the weights snapshot a delta-mode step holds (one copy of the weights)
-Times are medians over timed `train_on_batch` calls after warm-up.
+Times are medians over timed `train_on_batch` calls after warm-up, the two
+optimizers taking turns (5 turns of steps / 5 steps each).
 
 Usage: python benchmarks/optimizer_step.py [--replicas 4] [--models lenet5 mlp10m]
 """
@@ -29,7 +30,7 @@ def _parse_args(argv=None):
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--models", nargs="+", default=["lenet5", "mlp10m"], choices=["lenet5", "mlp10m"])
     parser.add_argument("--batch-per-replica", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per optimizer")
     return parser.parse_args(argv)
 
 
@@ -45,15 +46,21 @@ def _model(name):
     return keras.Sequential(layers + [keras.layers.Dense(10)]), (784,)
 
 
-def _median_step_ms(model, x, y, steps):
-    for _ in range(3):
-        model.train_on_batch(x, y)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        model.train_on_batch(x, y)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def _interleaved_median_step_ms(runs, steps, rounds=5):
+    """Median ms of one `train_on_batch` of each (model, x, y) in `runs`, after
+    warm-up; the runs take turns (`rounds` turns of `steps` / `rounds` steps
+    each), so a machine that slows down mid-run slows them all alike."""
+    for model, x, y in runs:
+        for _ in range(3):
+            model.train_on_batch(x, y)
+    times = [[] for _ in runs]
+    for _ in range(rounds):
+        for (model, x, y), samples in zip(runs, times):
+            for _ in range(max(1, steps // rounds)):
+                start = time.perf_counter()
+                model.train_on_batch(x, y)
+                samples.append(time.perf_counter() - start)
+    return [1e3 * statistics.median(samples) for samples in times]
 
 
 def main(argv=None):
@@ -72,6 +79,7 @@ def main(argv=None):
     batch = args.batch_per_replica * args.replicas
     for name in args.models:
         record = {"benchmark": "optimizer_step", "model": name, "replicas": args.replicas, "global_batch": batch}
+        runs = {}
         for label in ("inner", "adasum"):
             keras.utils.set_random_seed(0)
             with strategy.scope():
@@ -82,14 +90,15 @@ def main(argv=None):
             rng = np.random.default_rng(0)
             x = rng.standard_normal((batch, *input_shape)).astype("float32")
             y = rng.integers(0, 10, batch).astype("int32")
-            record[f"{label}_ms"] = round(_median_step_ms(model, x, y, args.steps), 3)
-            if label == "adasum":
-                weights_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-                own = [v for v in optimizer.variables if all(v is not w for w in inner.variables)]
-                record["params"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-                record["bytes"] = weights_bytes
-                record["extra_state_bytes"] = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in own)
-                record["transient_copy_bytes"] = weights_bytes
+            runs[label] = (model, x, y)
+        for label, ms in zip(runs, _interleaved_median_step_ms(list(runs.values()), args.steps)):
+            record[f"{label}_ms"] = round(ms, 3)
+        weights_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        own = [v for v in optimizer.variables if all(v is not w for w in inner.variables)]
+        record["params"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        record["bytes"] = weights_bytes
+        record["extra_state_bytes"] = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in own)
+        record["transient_copy_bytes"] = weights_bytes
         record["ratio"] = round(record["adasum_ms"] / record["inner_ms"], 3)
         print(json.dumps(record), flush=True)
 

@@ -17,6 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_adasum"
 #: Lower numbers sit lower. Modules of one layer never import each other.
 LAYERS = {
     "reference": 0,
+    "native_build": 0,
     "ops": 1,
     "combiners": 2,
     "rvh": 3,

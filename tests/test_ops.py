@@ -1,4 +1,7 @@
-"""`tf_adasum.adasum_pair` (the TF op) against the numpy reference."""
+"""`tf_adasum.adasum_pair` (the TF op) and the kernels of `tf_adasum.ops` against the numpy reference."""
+
+import os
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -7,7 +10,7 @@ import tensorflow as tf
 from conftest import TOLERANCE, relative_error
 
 import tf_adasum
-from tf_adasum import reference
+from tf_adasum import ops, reference
 
 NUMPY_DTYPES = {
     "float16": np.float16,
@@ -96,3 +99,152 @@ def test_inside_tf_function():
 def test_bad_input(a, b, error, match):
     with pytest.raises(error, match=match):
         tf_adasum.adasum_pair(a, b)
+
+
+# -- the two kernels of ops.partial_dots / ops.scaled_sum ---------------------------------
+
+
+def _reference_dots(x, block_tensor, num_tensors):
+    """Per tensor [a.b, |a|^2, |b|^2] in float64 (numpy), blocks of BLOCK."""
+    a, b = (row.astype(np.float64).reshape(-1, ops.BLOCK) for row in x)
+    out = np.zeros((num_tensors, 3))
+    for t, row_a, row_b in zip(block_tensor, a, b):
+        out[t] += [row_a @ row_b, row_a @ row_a, row_b @ row_b]
+    return out
+
+
+# Slices as the tree makes them: one tensor, several (crossing the native
+# kernel's 32768-element chunks), small and large (the XLA threshold is 65536).
+SEGMENTS = [
+    (ops.Segments.single(2, 5), 3),
+    (ops.Segments(first=1, counts=(3, 1, 250, 4, 300), num_tensors=7), None),
+    (ops.Segments(first=0, counts=(2, 5), num_tensors=2), None),
+]
+
+
+@pytest.fixture(params=["native", "tensorflow"])
+def kernels(request, monkeypatch):
+    """Runs a test with the native CPU kernels and with TensorFlow's ops."""
+    monkeypatch.setattr(ops, "_cpu_loaded", [])  # as in a fresh process
+    if request.param == "native":
+        assert ops.cpu_kernels() is not None, "the native CPU kernels did not build (see the warning)"
+    else:
+        monkeypatch.setenv("TF_ADASUM_CPU_KERNELS", "0")
+    return request.param
+
+
+def _op_types(fn, *args):
+    """The op types `fn` builds for `args` (traced, on the CPU)."""
+    with tf.device("/CPU:0"):
+        graph = tf.function(fn, autograph=False).get_concrete_function(*args).graph
+    return {op.type for op in graph.get_operations()}
+
+
+@pytest.mark.parametrize("dtype", sorted(NUMPY_DTYPES))
+@pytest.mark.parametrize("segments, blocks", SEGMENTS)
+def test_kernels_match_reference(kernels, dtype, segments, blocks, rng):
+    counts = [blocks] if segments.counts == (-1,) else list(segments.counts)
+    m = sum(counts) * ops.BLOCK
+    x_np = (rng.standard_normal((2, m)) * 3).astype(NUMPY_DTYPES[dtype])
+    block_tensor = np.repeat(np.arange(segments.first, segments.first + len(counts)), counts)
+    expected = _reference_dots(x_np, block_tensor, segments.num_tensors)
+    with tf.device("/CPU:0"):
+        x = tf.constant(x_np)
+        dots = ops.partial_dots(x, segments).numpy()
+        c_a, c_b = ops.coefficients(tf.constant(expected))
+        out = ops.scaled_sum(x, c_a, c_b, segments).numpy()
+    assert dots.dtype == np.float64 and dots.shape == (segments.num_tensors, 3)
+    np.testing.assert_allclose(dots, expected, rtol=1e-12, atol=0)
+    per_element = block_tensor.repeat(ops.BLOCK)
+    want = c_a.numpy()[per_element] * x_np[0].astype(np.float64) + c_b.numpy()[per_element] * x_np[1].astype(np.float64)
+    assert out.dtype == x_np.dtype and out.shape == (m,)
+    assert relative_error(out, want) <= TOLERANCE[dtype]
+    native_ops = {"TfAdasumPartialDots", "TfAdasumScaledSum"}
+    types = _op_types(lambda x: ops.scaled_sum(x, *ops.coefficients(ops.partial_dots(x, segments)), segments), x)
+    assert (native_ops <= types) if kernels == "native" else not (native_ops & types), types
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_native_and_tensorflow_kernels_agree(dtype, rng, monkeypatch):
+    """Given the same coefficients, both round the same float64 value once
+    (up to a multiply-add XLA may fuse); the dots differ in the order of additions."""
+    monkeypatch.setattr(ops, "_cpu_loaded", [])
+    assert ops.cpu_kernels() is not None, "the native CPU kernels did not build (see the warning)"
+    segments = SEGMENTS[1][0]
+    with tf.device("/CPU:0"):
+        x = tf.constant(rng.standard_normal((2, 558 * ops.BLOCK)).astype(NUMPY_DTYPES[dtype]))
+        native_dots = ops.partial_dots(x, segments)
+        c_a, c_b = ops.coefficients(native_dots)
+        native_sum = ops.scaled_sum(x, c_a, c_b, segments)
+        monkeypatch.setattr(ops, "_cpu_loaded", [])
+        monkeypatch.setenv("TF_ADASUM_CPU_KERNELS", "0")
+        tf_dots, tf_sum = ops.partial_dots(x, segments), ops.scaled_sum(x, c_a, c_b, segments)
+    np.testing.assert_allclose(tf_dots.numpy(), native_dots.numpy(), rtol=1e-13)
+    ulp = float(np.finfo(NUMPY_DTYPES[dtype]).eps)
+    np.testing.assert_allclose(tf_sum.numpy(), native_sum.numpy(), rtol=ulp, atol=0)
+
+
+def test_native_kernels_reject_a_slice_that_does_not_match_its_counts():
+    native = ops.cpu_kernels()
+    assert native is not None
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not the 3 blocks of 128"):
+        native.tf_adasum_partial_dots(tf.zeros([2, 256]), first=0, counts=[1, 2], num_tensors=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not within num_tensors=2"):
+        native.tf_adasum_partial_dots(tf.zeros([2, 256]), first=1, counts=[1, 1], num_tensors=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be >= 0"):
+        native.tf_adasum_partial_dots(tf.zeros([2, 128]), first=0, counts=[-1, 2], num_tensors=2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="c_a and c_b must have num_tensors=2"):
+        native.tf_adasum_scaled_sum(
+            tf.zeros([2, 256]),
+            tf.ones([1], tf.float64),
+            tf.ones([2], tf.float64),
+            first=0,
+            counts=[1, 1],
+            num_tensors=2,
+        )
+    with pytest.raises(ValueError, match="must be rank 2"):
+        _op_types(lambda x: native.tf_adasum_partial_dots(x, first=0, counts=[-1], num_tensors=1), tf.zeros([256]))
+
+
+def test_adasum_pair_stays_differentiable_and_xla_compilable(rng):
+    a = tf.constant(rng.standard_normal(300))
+    b = tf.constant(rng.standard_normal(300))
+    compiled = tf.function(tf_adasum.adasum_pair, jit_compile=True)
+    np.testing.assert_allclose(compiled(a, b).numpy(), reference.adasum_pair(a.numpy(), b.numpy()), rtol=1e-12)
+    with tf.GradientTape() as tape:
+        tape.watch(a)
+        out = tf.reduce_sum(tf_adasum.adasum_pair(a, b))
+    assert np.all(np.isfinite(tape.gradient(out, a).numpy()))
+
+
+def test_unbuildable_native_kernels_fall_back_with_one_warning(monkeypatch, tmp_path, rng):
+    monkeypatch.setenv("TF_ADASUM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(ops, "_cpu_loaded", [])  # as in a fresh process
+    a, b = rng.standard_normal(300), rng.standard_normal(300)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ops.cpu_kernels() is None
+        _check(a, b)
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning, [str(w.message) for w in caught]
+    assert "no C++ compiler" in str(caught[0].message) and "XLA" in str(caught[0].message)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", sorted(NUMPY_DTYPES))
+@pytest.mark.parametrize("special", [None, np.inf, -np.inf, np.nan, "overflow"])
+def test_scale_and_check(kernels, dtype, special, rng):
+    x_np = rng.standard_normal(70_000).astype(NUMPY_DTYPES[dtype])  # 3 native chunks
+    scale = 4.0
+    if special == "overflow":  # finite, but not once scaled
+        x_np[40_000] = {"float16": 3e4, "bfloat16": 3e38, "float32": 3e38, "float64": 1e308}[dtype]
+    elif special is not None:
+        x_np[69_999] = special
+    with tf.device("/CPU:0"):
+        y, finite = ops.scale_and_check(tf.constant(x_np), scale)
+        want = tf.constant(x_np) * tf.constant(scale, x_np.dtype)  # TensorFlow's rounding
+    assert y.dtype == want.dtype
+    np.testing.assert_array_equal(y.numpy().astype(np.float64), want.numpy().astype(np.float64))  # NaN == NaN
+    assert bool(finite) is (special is None)
+    native = "TfAdasumScaleAndCheck" in _op_types(lambda x: ops.scale_and_check(x, scale), tf.constant(x_np))
+    assert native is (kernels == "native")

@@ -132,3 +132,14 @@ def test_fold_adds_one_full_buffer_each_way(rng):
     # The tree of 2 leaves: a 2-block buffer; each rank swaps 1 block and gathers 1 block.
     assert comms[0].full_sends == 1 and comms[0].payload_bytes == comms[2].payload_bytes == 2 * BLOCK * 4
     assert comms[2].full_sends == 0
+
+
+def test_make_buckets_leaves_large_unpadded_tensors_unfused():
+    large = rvh.ALONE_BYTES // 4  # float32 elements
+    sizes = [3, large, 5, large + B, 2 * large]  # large + B needs padding with 4 leaves
+    buckets = rvh.make_buckets([tf.float32] * 5, sizes, num_ranks=4)
+    assert [b.indices for b in buckets] == [(0, 2, 3), (1,), (4,)]
+    (alone,) = [b for b in buckets if b.indices == (1,)]
+    pack = tf.function(lambda t: rvh.pack([None, t], alone))
+    graph = pack.get_concrete_function(tf.TensorSpec([large], tf.float32)).graph
+    assert {op.type for op in graph.get_operations()} <= {"Placeholder", "Reshape", "Const", "Identity"}  # no copy

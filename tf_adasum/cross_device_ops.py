@@ -59,7 +59,8 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         of different sizes can live in one process.
       options: a `tf.distribute.experimental.CommunicationOptions`:
         ``bytes_per_pack`` caps the size of a fused bucket (0: one bucket per
-        dtype), ``timeout_seconds`` turns a missing peer into an error.
+        dtype; a tensor of 4 MiB or more that needs no padding travels alone),
+        ``timeout_seconds`` turns a missing peer into an error.
       compression: None (default), ``"float16"`` or ``"bfloat16"``: the
         Adasum collective sends float32 and float64 values in that format,
         with float64 arithmetic on the widened values

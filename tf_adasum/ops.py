@@ -12,14 +12,29 @@ accumulated in float64, coefficients are float64, and the scaled sum
 ``c_a * a + c_b * b`` is computed in float64 and cast back to the input dtype
 once. float32 inputs of magnitude 1e20 or 1e-25, whose squares overflow or
 underflow float32, are therefore handled exactly as in `tf_adasum.reference`.
+
+Kernels: on CPUs, `partial_dots` and `scaled_sum` run native kernels
+(``tf_adasum/native/adasum_cpu_ops.cc``, built on first use by
+`tf_adasum.native_build`): one pass over the slice, AVX2 where the CPU has
+it, spread over the intra-op threads. Elsewhere (GPUs), with
+``TF_ADASUM_CPU_KERNELS=0``, or where the library cannot be built (one
+warning per process), they run as XLA-compiled TensorFlow ops (plain ops for
+small slices). The two differ in the order of the float64 additions (and
+XLA may fuse a multiply-add). `adasum_pair` always runs TensorFlow's ops
+(differentiable, XLA-compilable).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import threading
+import warnings
 
 import tensorflow as tf
 
+from tf_adasum import native_build
 from tf_adasum.reference import NORM_GUARD
 
 #: The floating dtypes Adasum accepts.
@@ -32,7 +47,9 @@ __all__ = [
     "adasum_pair",
     "check_float_dtype",
     "coefficients",
+    "cpu_kernels",
     "partial_dots",
+    "scale_and_check",
     "scaled_sum",
 ]
 
@@ -121,6 +138,64 @@ def _use_xla(x: tf.Tensor) -> bool:
     return x.shape[1] is not None and x.shape[1] >= XLA_MIN_ELEMENTS
 
 
+def _tf_partial_dots(x: tf.Tensor, segments: Segments) -> tf.Tensor:
+    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
+    kernel = _xla_partial_dots if _use_xla(x) else _partial_dots_kernel
+    return kernel(x, block_ids, segments.num_tensors)
+
+
+def _tf_scaled_sum(x: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, segments: Segments) -> tf.Tensor:
+    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
+    kernel = _xla_scaled_sum if _use_xla(x) else _scaled_sum_kernel
+    return kernel(x, c_a, c_b, block_ids)
+
+
+_cpu_lock = threading.Lock()
+_cpu_loaded: list = []  # [module or None] once the library was looked for
+_sees_gpu: list = []  # [whether this process has a logical GPU], once asked
+
+
+def cpu_kernels():
+    """The native CPU kernels' op module, built and loaded once per process
+    (``TF_ADASUM_CPU_KERNELS`` is read then); None with
+    ``TF_ADASUM_CPU_KERNELS=0``, or (with one `RuntimeWarning` per process
+    naming the cause) where the library cannot be built or loaded."""
+    with _cpu_lock:
+        if not _cpu_loaded:
+            module, reason = None, None
+            if os.environ.get("TF_ADASUM_CPU_KERNELS", "1").strip() == "0":
+                _cpu_loaded.append(None)
+                return None
+            try:
+                module = tf.load_op_library(str(native_build.build_cpu_kernels()))
+            except native_build.BuildError as error:
+                reason = str(error)
+            except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
+                reason = f"building or loading the library failed: {error}"
+            if module is None:
+                warnings.warn(
+                    f"tf_adasum: the native CPU kernels are unavailable: {reason}. Adasum's arithmetic "
+                    "on CPUs uses XLA-compiled TensorFlow ops (slower).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            _cpu_loaded.append(module)
+        return _cpu_loaded[0]
+
+
+def _native_for(x: tf.Tensor):
+    """The native kernels' module when `x` is on a CPU (or, placed nowhere
+    yet, when this process sees no GPU) and they are available; else None."""
+    device_type = tf.DeviceSpec.from_string(x.device or "").device_type
+    if device_type is None:
+        if not _sees_gpu:
+            _sees_gpu.append(bool(tf.config.list_logical_devices("GPU")))
+        on_cpu = not _sees_gpu[0]
+    else:
+        on_cpu = device_type.upper() == "CPU"
+    return cpu_kernels() if on_cpu else None
+
+
 def partial_dots(x: tf.Tensor, segments: Segments) -> tf.Tensor:
     """Per-tensor partial sums ``[a.b, |a|^2, |b|^2]`` over a slice, in float64.
 
@@ -132,9 +207,12 @@ def partial_dots(x: tf.Tensor, segments: Segments) -> tf.Tensor:
     Returns:
       A float64 tensor of shape ``[num_tensors, 3]``.
     """
-    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
-    kernel = _xla_partial_dots if _use_xla(x) else _partial_dots_kernel
-    return kernel(x, block_ids, segments.num_tensors)
+    native = _native_for(x)
+    if native is not None:
+        return native.tf_adasum_partial_dots(
+            x, first=segments.first, counts=list(segments.counts), num_tensors=segments.num_tensors
+        )
+    return _tf_partial_dots(x, segments)
 
 
 def coefficients(partials: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -154,9 +232,27 @@ def coefficients(partials: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 def scaled_sum(x: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, segments: Segments) -> tf.Tensor:
     """``c_a * a + c_b * b`` per tensor for ``x = [a; b]`` (``[2, m]``), computed in
     float64 and cast to ``x.dtype``; returns ``[m]``."""
-    block_ids = segments.block_ids(tf.shape(x)[1] // BLOCK)
-    kernel = _xla_scaled_sum if _use_xla(x) else _scaled_sum_kernel
-    return kernel(x, c_a, c_b, block_ids)
+    native = _native_for(x)
+    if native is not None:
+        out = native.tf_adasum_scaled_sum(
+            x, c_a, c_b, first=segments.first, counts=list(segments.counts), num_tensors=segments.num_tensors
+        )
+        out.set_shape(x.shape[1:])
+        return out
+    return _tf_scaled_sum(x, c_a, c_b, segments)
+
+
+def scale_and_check(x: tf.Tensor, scale) -> tuple[tf.Tensor, tf.Tensor]:
+    """``x * scale`` (rounded in ``x.dtype``, as `tf.multiply` rounds it) and
+    whether every element of it is finite (a bool scalar); on CPUs in one
+    native pass over `x`."""
+    x = tf.convert_to_tensor(x)
+    scale = tf.cast(scale, x.dtype)
+    native = _native_for(x)
+    if native is not None:
+        return native.tf_adasum_scale_and_check(x, scale)
+    y = x * scale
+    return y, tf.reduce_all(tf.math.is_finite(y))
 
 
 def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -194,6 +290,8 @@ def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     size = tf.size(a)
     x = tf.stack([tf.reshape(a, [-1]), tf.reshape(b, [-1])])
     x = tf.pad(x, [[0, 0], [0, -size % BLOCK]])  # zeros add nothing to the dots
+    # TensorFlow's kernels, never the native ones: this op stays differentiable
+    # and compiles under jit_compile=True.
     segments = Segments.single()
-    c_a, c_b = coefficients(partial_dots(x, segments))
-    return tf.reshape(scaled_sum(x, c_a, c_b, segments)[:size], tf.shape(a))
+    c_a, c_b = coefficients(_tf_partial_dots(x, segments))
+    return tf.reshape(_tf_scaled_sum(x, c_a, c_b, segments)[:size], tf.shape(a))

@@ -28,7 +28,7 @@ import tensorflow as tf
 from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
-from tf_adasum import keras_step, optimizer_args
+from tf_adasum import keras_step, ops, optimizer_args
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
 from tf_adasum.local_steps import LocalSteps
@@ -240,13 +240,16 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         # tf.distribute scales each replica's loss by 1/replicas in sync (1 under MPI).
         unscale = tf.distribute.get_strategy().num_replicas_in_sync / (scale or 1.0)
         with keras.name_scope(self.name, caller=self):
-            local = [tf.convert_to_tensor(g) * tf.cast(unscale, g.dtype) for g in grads]
-            tf.distribute.get_replica_context().merge_call(self._distributed_step, args=(local, variables))
+            local, finite = zip(*(ops.scale_and_check(g, unscale) for g in grads))
+            tf.distribute.get_replica_context().merge_call(
+                self._distributed_step, args=(list(local), tf.reduce_all(finite), variables)
+            )
 
-    def _distributed_step(self, strategy, grads, keras_variables):
+    def _distributed_step(self, strategy, grads, finite, keras_variables):
         """Cross-replica context: `grads` are per-replica local mean gradients
-        of `keras_variables` (those that have gradients)."""
-        all_finite = engines_base.agree(self.engine, grads, keras_variables)
+        of `keras_variables` (those that have gradients), `finite` whether each
+        replica's are all finite."""
+        all_finite = engines_base.agree(self.engine, finite, keras_variables)
         step = self._step if self.backward_passes_per_step == 1 else self._accumulating_step
 
         def run():

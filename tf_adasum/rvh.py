@@ -141,12 +141,20 @@ class Bucket:
         return Segments(first=first, counts=tuple(counts), num_tensors=len(self.sizes))
 
 
+#: Tensors this large travel unfused when they need no padding (see `make_buckets`).
+ALONE_BYTES = 4 << 20
+
+
 def make_buckets(
     dtypes: Sequence[tf.DType], sizes: Sequence[int], num_ranks: int, bytes_per_bucket: int = 0
 ) -> list[Bucket]:
     """Fuses tensors into buckets: one dtype each, in order, at most
     `bytes_per_bucket` bytes unless a single tensor is larger (0: no limit).
-    Empty tensors are left out (they need no communication)."""
+    Empty tensors are left out (they need no communication). A tensor of at
+    least `ALONE_BYTES` that fills whole blocks of the tree's leaves (needs no
+    padding) gets a bucket of its own: its buffer is the tensor itself, with
+    no copy into a fused buffer, which for such a tensor costs more than the
+    latency of a bucket's own exchanges."""
     leaves, _ = tree_shape(num_ranks)
     open_buckets: dict[tf.DType, tuple[list[int], list[int]]] = {}  # dtype -> (members, [bytes])
     closed: list[list[int]] = []
@@ -154,6 +162,9 @@ def make_buckets(
         if size == 0:
             continue
         nbytes = size * dtype.size
+        if nbytes >= ALONE_BYTES and size % (BLOCK * leaves) == 0:
+            closed.append([i])
+            continue
         members, used = open_buckets.setdefault(dtype, ([], [0]))
         if members and bytes_per_bucket and used[0] + nbytes > bytes_per_bucket:
             closed.append(members)

@@ -137,7 +137,7 @@ def combine_with_communicators(
       values: per value, one tensor per local rank (validated by `check_values`).
       comms: one communicator per local rank, in the order of the components.
       combiner: the pair rule.
-      bytes_per_bucket: fusion cap (0: one bucket per dtype).
+      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `rvh.make_buckets`).
 
     With several local ranks this must run inside a `tf.function`: eagerly, the
     first rank's collective would wait forever for the others.
@@ -323,21 +323,21 @@ class Engine(abc.ABC):
         """Makes every process start from the same values (where the strategy does not)."""
 
 
-def agree(engine: Engine, grads, variables) -> tf.Tensor:
-    """Cross-replica context, before any combine: True when every replica's
-    `grads` are finite (the same answer on every replica), after one small
-    all-reduce that also carries a digest of `variables`; an error on every
-    replica when the replicas' variable lists differ."""
+def agree(engine: Engine, finite, variables) -> tf.Tensor:
+    """Cross-replica context, before any combine: True when `finite` (per
+    replica: whether its gradients are all finite) holds on every replica (the
+    same answer on every replica), after one small all-reduce that also
+    carries a digest of `variables`; an error on every replica when the
+    replicas' variable lists differ."""
     digests = small_digests(variables)
 
-    def local_vector(*local_grads):
-        ok = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in local_grads])
+    def local_vector(ok):
         values = [tf.cast(tf.logical_not(ok), tf.float64)]
         for d in digests:
             values += [tf.constant(d, tf.float64), tf.constant(d * d, tf.float64)]
         return tf.stack(values)
 
-    total = engine.sum_small(engine.strategy.extended.call_for_each_replica(local_vector, args=tuple(grads)))
+    total = engine.sum_small(engine.strategy.extended.call_for_each_replica(local_vector, args=(finite,)))
     n = tf.constant(float(engine.num_replicas), tf.float64)
     same = tf.reduce_all(tf.equal(n * total[2::2], tf.square(total[1::2])))
     check = tf.debugging.Assert(

@@ -116,7 +116,7 @@ class MPIEngine(Engine):
     Args:
       world: `tf_adasum.comm.mpi.World` (see `tf_adasum.engines.select.mpi_world`).
       timeout_seconds: how long an MPI call waits for its peers (0: forever).
-      bytes_per_bucket: fusion cap (0: one bucket per dtype).
+      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `rvh.make_buckets`).
       compression: None, or ``"float16"``/``"bfloat16"``: float32 and float64
         buffers travel in that format (`tf_adasum.comm.compression`), through
         the vector-halving driver over mpi4py (the native tree sends full width).

@@ -1,10 +1,11 @@
 """Native MPI ops: the whole Adasum tree of one bucket in one TensorFlow op.
 
-A C++ op library (``native/adasum_mpi_ops.cc``) compiled on first use against
-the installed TensorFlow and the MPI library that mpi4py loaded, cached under
-``~/.cache/tf_adasum/mpi_native/<hash>/`` (``TF_ADASUM_CACHE_DIR`` overrides
-the root) and loaded with `tf.load_op_library`. Its ops call MPI directly,
-read their inputs in place and write their outputs directly (into the
+A C++ op library (``tf_adasum/native/adasum_mpi_ops.cc``) compiled on first
+use against the installed TensorFlow and the MPI library that mpi4py loaded
+(`tf_adasum.native_build`), cached under
+``~/.cache/tf_adasum/tf_adasum_mpi_ops/<hash>/`` (``TF_ADASUM_CACHE_DIR``
+overrides ``~/.cache/tf_adasum``) and loaded with `tf.load_op_library`. Its
+ops call MPI directly, read their inputs in place and write their outputs directly (into the
 inputs' buffers when nothing else holds them, e.g. intermediates of a graph):
 
 * `tree`: ``TfAdasumMpiTree``, the vector-halving tree of `tf_adasum.rvh`
@@ -33,13 +34,10 @@ compiler (``CXX``, default ``g++``), no ``mpi.h`` or no build is possible.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
@@ -47,6 +45,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from tf_adasum import native_build
+from tf_adasum.native_build import BuildError
 from tf_adasum.reference import tree_shape
 
 __all__ = [
@@ -61,26 +61,19 @@ __all__ = [
     "tree",
 ]
 
-SOURCE = Path(__file__).resolve().parent / "native" / "adasum_mpi_ops.cc"
+SOURCE = "adasum_mpi_ops.cc"  # in tf_adasum/native/
 LIBRARY = "tf_adasum_mpi_ops.so"
 #: The pair rules of `tree`.
 RULES = ("adasum", "sum")
-#: Portable optimisation only: the AVX2 kernels are chosen at run time.
-FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w", "-Wno-psabi"]
 
 _TREE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _SUM_DTYPES = (tf.float32, tf.float64)
 _GATHER_DTYPES = (tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
-class BuildError(RuntimeError):
-    """The native library cannot be built here; the message says what is missing."""
-
-
 def cache_root() -> Path:
-    """Where built libraries are kept, one folder per build configuration."""
-    root = os.environ.get("TF_ADASUM_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "tf_adasum" / "mpi_native"
+    """Where the built library is kept, one folder per build configuration."""
+    return native_build.cache_root() / Path(LIBRARY).stem
 
 
 def _loaded_libmpi() -> str | None:
@@ -121,19 +114,6 @@ def _mpi_flags() -> tuple[list[str], list[str], str]:
     return compile_flags, link_flags, f"{library} {stat.st_size} {stat.st_mtime_ns}"
 
 
-def _compiler() -> tuple[str, str]:
-    """The C++ compiler's path and version line."""
-    name = os.environ.get("CXX", "g++")
-    path = shutil.which(name)
-    if path is None:
-        raise BuildError(f"no C++ compiler: {name!r} was not found (set CXX)")
-    try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise BuildError(f"the C++ compiler {path} does not run ({error})") from error
-    return path, (version.splitlines() or ["unknown"])[0]
-
-
 def build() -> Path:
     """Compiles the op library unless the cache has it; returns its path.
 
@@ -142,33 +122,9 @@ def build() -> Path:
     Raises:
       BuildError: no compiler, no ``mpi.h``, no mpi4py, or a failed compile.
     """
-    compiler, version = _compiler()
+    native_build.compiler()  # the first thing missing to name, before MPI's
     mpi_compile, mpi_link, mpi_id = _mpi_flags()
-    command = [compiler, *FLAGS, *tf.sysconfig.get_compile_flags(), *mpi_compile, str(SOURCE)]
-    link = [*tf.sysconfig.get_link_flags(), *mpi_link]
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), tf.__version__, command, link, mpi_id, version):
-        key.update(repr(part).encode() + b"\0")
-    folder = cache_root() / key.hexdigest()[:20]
-    target = folder / LIBRARY
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if target.exists():
-            return target
-        handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-        os.close(handle)
-        result = subprocess.run([*command, "-o", partial, *link], capture_output=True, text=True)
-        (folder / "build.log").write_text(" ".join(command + ["-o", partial, *link]) + "\n" + result.stderr)
-        if result.returncode:
-            os.unlink(partial)
-            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-            raise BuildError(f"compiling {SOURCE.name} with {compiler} failed (log: {folder / 'build.log'}):\n{tail}")
-        os.chmod(partial, 0o755)  # mkstemp made it private
-        os.replace(partial, target)
-    return target
+    return native_build.build(SOURCE, LIBRARY, mpi_compile, mpi_link, mpi_id)
 
 
 _lock = threading.Lock()
