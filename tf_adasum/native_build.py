@@ -21,12 +21,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["FLAGS", "SOURCES", "BuildError", "build", "build_cpu_kernels", "cache_root", "compiler"]
+__all__ = ["FLAGS", "SOURCES", "BuildError", "build", "build_cpu_kernels", "cache_root", "compiler", "load"]
 
 #: The folder of the C++ sources.
 SOURCES = Path(__file__).resolve().parent / "native"
@@ -111,6 +111,20 @@ def build(
         os.chmod(partial, 0o755)  # mkstemp made it private
         os.replace(partial, target)
     return target
+
+
+def load(build_library: Callable[[], Path]):
+    """Builds (or finds) a library with `build_library` and loads it with
+    `tf.load_op_library`. Returns ``(module, path, None)``, or
+    ``(None, None, reason)`` where it cannot be built or loaded; never raises
+    for these."""
+    try:
+        path = build_library()
+        return tf.load_op_library(str(path)), path, None
+    except BuildError as error:
+        return None, None, str(error)
+    except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
+        return None, None, f"building or loading the library failed: {error}"
 
 
 def build_cpu_kernels() -> Path:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import threading
 import warnings
 
@@ -162,16 +161,10 @@ def cpu_kernels():
     naming the cause) where the library cannot be built or loaded."""
     with _cpu_lock:
         if not _cpu_loaded:
-            module, reason = None, None
             if os.environ.get("TF_ADASUM_CPU_KERNELS", "1").strip() == "0":
                 _cpu_loaded.append(None)
                 return None
-            try:
-                module = tf.load_op_library(str(native_build.build_cpu_kernels()))
-            except native_build.BuildError as error:
-                reason = str(error)
-            except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
-                reason = f"building or loading the library failed: {error}"
+            module, _, reason = native_build.load(native_build.build_cpu_kernels)
             if module is None:
                 warnings.warn(
                     f"tf_adasum: the native CPU kernels are unavailable: {reason}. Adasum's arithmetic "

@@ -145,14 +145,9 @@ def load():
             if os.environ.get("TF_ADASUM_MPI_NATIVE", "1").strip() == "0":
                 reason = "TF_ADASUM_MPI_NATIVE=0"
             else:
-                try:
-                    path = build()
-                    module = tf.load_op_library(str(path))
-                    _library.append(ctypes.CDLL(str(path)))
-                except BuildError as error:
-                    reason = str(error)
-                except (OSError, subprocess.SubprocessError, tf.errors.OpError) as error:
-                    reason = f"building or loading the library failed: {error}"
+                module, path, reason = native_build.load(build)
+                if module is not None:
+                    _library.append(ctypes.CDLL(str(path)))  # already loaded: finds it
             if module is None:
                 warnings.warn(
                     f"tf_adasum: the native MPI ops are unavailable: {reason}. The MPI engine uses its "
