@@ -93,8 +93,10 @@ def main(argv=None):
             runs[label] = (model, x, y)
         for label, ms in zip(runs, _interleaved_median_step_ms(list(runs.values()), args.steps)):
             record[f"{label}_ms"] = round(ms, 3)
+        model = runs["adasum"][0]
+        optimizer = model.optimizer
         weights_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-        own = [v for v in optimizer.variables if all(v is not w for w in inner.variables)]
+        own = [v for v in optimizer.variables if all(v is not w for w in optimizer.inner_optimizer.variables)]
         record["params"] = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         record["bytes"] = weights_bytes
         record["extra_state_bytes"] = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in own)

@@ -15,6 +15,7 @@ of time (``make install`` does) and prints their path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -26,7 +27,17 @@ from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["FLAGS", "SOURCES", "BuildError", "build", "build_cpu_kernels", "cache_root", "compiler", "load"]
+__all__ = [
+    "FLAGS",
+    "SOURCES",
+    "BuildError",
+    "build",
+    "build_cpu_kernels",
+    "cache_root",
+    "compiler",
+    "load",
+    "print_built",
+]
 
 #: The folder of the C++ sources.
 SOURCES = Path(__file__).resolve().parent / "native"
@@ -45,12 +56,17 @@ def cache_root() -> Path:
 
 
 def compiler() -> tuple[str, str]:
-    """The C++ compiler's path and version line.
+    """The C++ compiler (``CXX``, default ``g++``): its path and version line,
+    found once per process and name.
 
     Raises:
       BuildError: no compiler, or one that does not run.
     """
-    name = os.environ.get("CXX", "g++")
+    return _compiler(os.environ.get("CXX", "g++"))
+
+
+@functools.cache
+def _compiler(name: str) -> tuple[str, str]:
     path = shutil.which(name)
     if path is None:
         raise BuildError(f"no C++ compiler: {name!r} was not found (set CXX)")
@@ -132,17 +148,23 @@ def build_cpu_kernels() -> Path:
     return build("adasum_cpu_ops.cc", "tf_adasum_cpu_ops.so")
 
 
+def print_built(build_library: Callable[[], Path]) -> int:
+    """Command-line ending of a build: prints the library's path (status 0),
+    or what stopped it on stderr (status 1)."""
+    try:
+        print(build_library())
+    except BuildError as error:
+        print(f"tf_adasum: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Builds the CPU kernels (or finds them in the cache) and prints their path."""
     import argparse
 
     argparse.ArgumentParser(description="Builds tf_adasum's native CPU kernels and prints their path.").parse_args(argv)
-    try:
-        print(build_cpu_kernels())
-    except BuildError as error:
-        print(f"tf_adasum: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return print_built(build_cpu_kernels)
 
 
 if __name__ == "__main__":

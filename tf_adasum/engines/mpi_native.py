@@ -280,12 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mpi4py.rc.initialize = False  # only the path of libmpi is needed: no MPI_Init here
     except ImportError:
         pass  # `build` names what is missing
-    try:
-        print(build())
-    except BuildError as error:
-        print(f"tf_adasum: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return native_build.print_built(build)
 
 
 if __name__ == "__main__":
