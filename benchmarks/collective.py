@@ -43,9 +43,10 @@ more is fresh memory from the kernel, page-faulted on first touch (2.5-3 us a
 page on the development machine), for native and Adasum alike. (Set before
 TensorFlow is imported: ``main`` called in a process that has TensorFlow
 already keeps its allocator, whatever ``cpu_allocator`` then says.)
-Times are medians over repeats of one call each (TF paths inside a tf.function
-traced beforehand; process engines start each call together after a barrier;
-MPI ranks call the methods in turn within each repeat).
+Times are medians over repeats of one call each, the methods called in turn
+within each repeat (TF paths inside a tf.function traced beforehand; MPI ranks
+start each call together after a barrier, worker processes meet in the
+collectives themselves).
 
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
        [--sizes 4096 ...] [--dtype float32] [--compression float16] [--cpu-allocator bfc]
@@ -96,18 +97,6 @@ def _wait(out):
         return
     last = tf.nest.flatten(out, expand_composites=True)[-1]
     tf.reshape(last, [-1])[:1].numpy()
-
-
-def _median_ms(fn, arg, repeats, min_seconds):
-    fn(arg)  # trace and warm up
-    fn(arg)
-    times = []
-    start = time.perf_counter()
-    while len(times) < repeats or (time.perf_counter() - start < min_seconds and len(times) < 50):
-        t0 = time.perf_counter()
-        _wait(fn(arg))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv=None):
@@ -246,23 +235,30 @@ def _workers_worker(args):
     os._exit(0)  # skip TF's teardown, which can wait on peers that already left
 
 
-def _interleaved_medians_ms(fns, arg, repeats, comm):
-    """Median ms of each of `fns`, called in turn within each repeat, every call
-    started together after a barrier. Interleaving gives every method the same
-    allocator state: the first large buffers a process frees raise glibc's
-    mmap threshold, and a method timed alone before that pays page faults on
-    every fresh output (about 3x at 16 MiB here) that the others do not."""
-    for fn in fns:  # trace and warm up
-        _wait(fn(arg))
-        _wait(fn(arg))
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, fn_times in zip(fns, times):
-            comm.Barrier()
-            start = time.perf_counter()
-            _wait(fn(arg))
-            fn_times.append(time.perf_counter() - start)
-    return [1e3 * statistics.median(fn_times) for fn_times in times]
+def _interleaved_medians_ms(calls, repeats, min_seconds=0.0, barrier=None):
+    """Median ms of each of `calls` (functions of no argument), called in turn
+    within each round, for at least `repeats` rounds and, up to 50, until
+    `min_seconds` have passed (process engines pass 0: every process must
+    issue the same collectives); `barrier`, if given, runs before each call.
+
+    Interleaving gives every method the same machine: a slowdown mid-run
+    slows them all, and every method sees the same allocator state (the first
+    large buffers a process frees raise glibc's mmap threshold, and a method
+    timed alone before that pays page faults on every fresh output, about 3x
+    at 16 MiB here, that the others do not)."""
+    for call in calls:  # trace and warm up
+        _wait(call())
+        _wait(call())
+    times = [[] for _ in calls]
+    start = time.perf_counter()
+    while len(times[0]) < repeats or (time.perf_counter() - start < min_seconds and len(times[0]) < 50):
+        for call, call_times in zip(calls, times):
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            _wait(call())
+            call_times.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(call_times) for call_times in times]
 
 
 def _mpi_rank(args):
@@ -305,7 +301,8 @@ def _mpi_rank(args):
         pairs = _dots_inputs(elements, comm.size, dtype, comm.rank)
         dots = tf.function(lambda _, pairs=pairs: _dots(pairs))
         fns = (adasum, native, rvh_sum, native_tf, dots)
-        times = _interleaved_medians_ms(fns, value, args.process_repeats, comm)
+        calls = [lambda fn=fn, value=value: fn(value) for fn in fns]
+        times = _interleaved_medians_ms(calls, args.process_repeats, barrier=comm.Barrier)
         if comm.rank == 0:
             record = _with_floor(_record("mpi", comm.size, dtype, elements, *times[:3]), times[4])
             record["native_tf_ms"] = round(times[3], 3)
@@ -351,10 +348,11 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
                 lambda ctx, elements=elements, n=n: _dots_inputs(elements, n, dtype, ctx.replica_id_in_sync_group)
             )
             dots = tf.function(lambda pairs: strategy.run(_dots, args=(pairs,)))
-            times = [_median_ms(fn, value, repeats, min_seconds) for fn in (adasum, native, rvh_sum)]
-            times.append(_median_ms(dots, pairs, repeats, min_seconds))
+            calls = [lambda fn=fn, value=value: fn(value) for fn in (adasum, native, rvh_sum)]
+            calls.append(lambda dots=dots, pairs=pairs: dots(pairs))
             if args.compression:
-                times.append(_median_ms(compressed, value, repeats, min_seconds))
+                calls.append(lambda value=value: compressed(value))
+            times = _interleaved_medians_ms(calls, repeats, min_seconds)
             if report:
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 _with_compressed(record, args.compression, times[-1])

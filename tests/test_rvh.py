@@ -143,3 +143,61 @@ def test_make_buckets_leaves_large_unpadded_tensors_unfused():
     pack = tf.function(lambda t: rvh.pack([None, t], alone))
     graph = pack.get_concrete_function(tf.TensorSpec([large], tf.float32)).graph
     assert {op.type for op in graph.get_operations()} <= {"Placeholder", "Reshape", "Const", "Identity"}  # no copy
+
+
+def _devices(n):
+    return [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+
+
+def _graph_op_types(fn):
+    return [op.type for op in fn.get_concrete_function().graph.get_operations()]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_messages_split_into_pieces_give_the_same_bits(n, rng):
+    sizes = [5000, 24, 300]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
+
+    def build(max_message_bytes):
+        comms = [
+            TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, max_message_bytes=max_message_bytes)
+            for r in range(n)
+        ]
+
+        @tf.function(autograph=False)
+        def run():
+            values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
+            outputs, _ = combine_with_communicators(values, comms, combiners.Adasum())
+            return [[value[r] for value in outputs] for r in range(n)]
+
+        return run
+
+    whole, pieces = build(0), build(1024)
+    swaps = [types.count("CollectiveAllToAllV2") for types in map(_graph_op_types, (whole, pieces))]
+    gathers = [types.count("CollectiveGatherV2") for types in map(_graph_op_types, (whole, pieces))]
+    assert swaps[1] > swaps[0] > 0 and gathers[1] > gathers[0] > 0
+    expected = reference.adasum_tree(per_rank)
+    out_whole, out_pieces = whole(), pieces()
+    for t in range(len(sizes)):
+        for r in range(n):
+            assert out_pieces[r][t].numpy().tobytes() == out_whole[0][t].numpy().tobytes()
+        assert relative_error(out_whole[0][t].numpy(), expected[t]) <= TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("members", [(0, 1), (0, 1, 2, 3), (0, 2, 4, 5), (0, 1, 2)])
+def test_sum_float64_over_members(members, rng):
+    n = max(members) + 1
+    values = rng.standard_normal((n, 7, 3)) * 10.0 ** rng.integers(-8, 8, (n, 7, 3))
+    comms = {r: TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS) for r in members}
+
+    @tf.function(autograph=False)
+    def run():
+        return [comms[r].sum_float64(tf.constant(values[r]), members) for r in members]
+
+    types = _graph_op_types(run)
+    power_of_two = not len(members) & (len(members) - 1)
+    assert ("CollectiveReduceV2" in types) != power_of_two  # recursive doubling over pairs, else a ring
+    sums = [s.numpy() for s in run()]
+    for s in sums:
+        assert s.tobytes() == sums[0].tobytes()  # bitwise the same on every member
+    np.testing.assert_allclose(sums[0], values[list(members)].sum(0), rtol=1e-14)

@@ -36,6 +36,7 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
+from tf_adasum.comm import collective  # noqa: E402
 from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
 from tf_adasum.engines.mpi import MPIEngine  # noqa: E402
@@ -47,6 +48,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 TRAIN_STEPS = 3
 #: The wire format of the collective task (``TEST_COMPRESSION``; unset: none).
 COMPRESSION = os.environ.get("TEST_COMPRESSION") or None
+# ``TEST_REMOTE_MESSAGE_BYTES``: pairwise messages between workers split into
+# pieces of at most this many bytes (the default splits only beyond 8 MiB).
+collective.REMOTE_MESSAGE_BYTES = int(os.environ.get("TEST_REMOTE_MESSAGE_BYTES", collective.REMOTE_MESSAGE_BYTES))
 
 
 def collective_inputs(rank: int) -> list[np.ndarray]:

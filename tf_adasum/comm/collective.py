@@ -1,10 +1,12 @@
 """The TensorFlow collective-ops engine of the vector-halving driver.
 
 Pairwise steps are ``CollectiveAllToAllV2`` (phase 1) and ``CollectiveGatherV2``
-(phase 2) over a group of two; per-level partial sums are a float64
-``CollectiveReduceV2`` over the subgroup's own key; the non-power-of-two fold
-uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``. The same ops serve
-the devices of one process and devices spread over worker processes.
+(phase 2) over a group of two, a large message between processes split into
+concurrent pieces; per-level partial sums are float64 and summed by recursive
+doubling over the same pairs (log2 of the subgroup's size pairwise gathers);
+the non-power-of-two fold uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``.
+The same ops serve the devices of one process and devices spread over worker
+processes.
 
 Keys are handed out in one place, `CollectiveKeys`: a group key derived from
 the set of devices, and per (group, device) an instance-key counter, so every member of a
@@ -114,27 +116,32 @@ def _claim(owners: dict[int, tuple[str, ...]], key: int, members: tuple[str, ...
         )
 
 
+#: The default `message_bytes` between the CPUs of two processes (see
+#: `TFCollectiveCommunicator`).
+REMOTE_MESSAGE_BYTES = 8 << 20
+
 #: The process-wide key allocator.
 KEYS = CollectiveKeys()
 
-_ORDERING_TOKENS: dict[str, tf.Tensor] = {}
+_ORDERING_TOKENS: dict[tuple[str, int], tf.Tensor] = {}
 _TOKENS_LOCK = threading.Lock()
 
 
-def _ordering_token(device: str) -> tf.Tensor:
-    """A resource handle on `device` that orders its collectives in a tf.function.
+def _ordering_token(device: str, slot: int = 0) -> tf.Tensor:
+    """A resource handle on `device` that orders its collectives in a tf.function
+    (slot 0; a pairwise message split into pieces gives piece i slot i).
 
     A bare resource handle (never initialised, never read) rather than a
     variable, so no `tf.distribute` variable creator can wrap it.
     """
-    device = _canonical(device)
+    key = (_canonical(device), slot)
     with _TOKENS_LOCK:
-        if device not in _ORDERING_TOKENS:
-            with tf.init_scope(), tf.device(device):
-                _ORDERING_TOKENS[device] = tf.raw_ops.VarHandleOp(
+        if key not in _ORDERING_TOKENS:
+            with tf.init_scope(), tf.device(key[0]):
+                _ORDERING_TOKENS[key] = tf.raw_ops.VarHandleOp(
                     dtype=tf.float32, shape=[], shared_name=f"adasum_ordering_token_{len(_ORDERING_TOKENS)}"
                 )
-        return _ORDERING_TOKENS[device]
+        return _ORDERING_TOKENS[key]
 
 
 def _carried(x: tf.Tensor) -> tf.Tensor:
@@ -145,6 +152,10 @@ def _carried(x: tf.Tensor) -> tf.Tensor:
 
 def _restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(x, dtype) if x.dtype != dtype else x
+
+
+def _joined(pieces: list[tf.Tensor], axis: int) -> tf.Tensor:
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis)
 
 
 def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
@@ -169,6 +180,12 @@ class TFCollectiveCommunicator:
         sleeps for the whole timeout, per op executed, so timing every op
         would pile up thousands of threads per minute.
       keys: the key allocator (the process-wide one by default).
+      max_message_bytes: a pairwise message (a swapped or gathered half)
+        larger than this travels as several concurrent collectives of at
+        most this size; 0 never splits. None (default): `REMOTE_MESSAGE_BYTES`
+        between the CPUs of two processes, where gRPC moves a few concurrent
+        messages faster than one large one, and no split otherwise (within a
+        process a message is a memory copy, and pieces would add a copy).
     """
 
     def __init__(
@@ -177,6 +194,7 @@ class TFCollectiveCommunicator:
         rank: int,
         timeout_seconds: float | None = None,
         keys: CollectiveKeys = KEYS,
+        max_message_bytes: int | None = None,
     ):
         self.devices = tuple(devices)
         self.rank = rank
@@ -184,6 +202,7 @@ class TFCollectiveCommunicator:
         self.device = self.devices[rank]
         self._timeout = float(timeout_seconds or 0)
         self._keys = keys
+        self._max_message_bytes = max_message_bytes
         self._last: tf.Tensor | None = None
 
     def _next_timeout(self) -> float:
@@ -205,48 +224,119 @@ class TFCollectiveCommunicator:
         lower, upper = sorted((self.rank, partner))
         return device_sort_key(self.devices[lower]) > device_sort_key(self.devices[upper])
 
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
-        group_key, instance_key = self._keys_for((self.rank, partner))
-        reverse = self._slots_reversed(partner)
+    def _pieces(self, x: tf.Tensor, partner: int, axis: int) -> list[tf.Tensor]:
+        """`x`, whose message to `partner` is `axis` long, split along `axis`
+        into pieces whose messages hold at most `message_bytes` (``[x]`` when
+        no split is due)."""
+        limit = self._message_bytes(partner)
+        length = x.shape[axis]
+        count = -(-length * x.dtype.size // limit) if limit and length else 1
+        if count <= 1:
+            return [x]
+        base, extra = divmod(length, count)
+        return tf.split(x, [base + (i < extra) for i in range(count)], axis=axis)
+
+    def _message_bytes(self, partner: int) -> int:
+        """The largest pairwise message to `partner`, 0 for no limit."""
+        if self._max_message_bytes is not None:
+            return self._max_message_bytes
+        mine, theirs = (tf.DeviceSpec.from_string(self.devices[r]) for r in (self.rank, partner))
+        remote = (mine.job, mine.replica, mine.task) != (theirs.job, theirs.replica, theirs.task)
+        cpus = {(spec.device_type or "CPU").upper() for spec in (mine, theirs)} == {"CPU"}
+        return REMOTE_MESSAGE_BYTES if remote and cpus else 0
+
+    def _pairwise(self, pieces: list[tf.Tensor], partner: int, collective, assemble) -> tf.Tensor:
+        """``assemble([collective(piece, group_key, instance_key, ordering_token,
+        timeout) for piece in pieces])``, as one link of this rank's chain.
+
+        Several pieces (see `_pieces`) run at once, as the ring all-reduce runs
+        its subdivisions: over gRPC one large message moves slower than a few
+        concurrent ones. Piece i carries the ordering token of slot i: one
+        token would serialise the pieces, and pieces without tokens hung
+        (timed out) on the devices of one process in our tests. So the pieces
+        of one message run side by side while every slot keeps its program
+        order; the chain orders the whole message after this rank's previous
+        collective."""
+        group_key = self._keys.group_key([self.devices[m] for m in (self.rank, partner)])
 
         def op():
-            rows = tf.reverse(x, [0]) if reverse else x
+            timeout = self._next_timeout()
+            outs = [
+                collective(
+                    piece,
+                    group_key,
+                    self._keys.instance_key(group_key, self.device),
+                    [_ordering_token(self.device, slot)],
+                    timeout,
+                )
+                for slot, piece in enumerate(pieces)
+            ]
+            return assemble(outs)
+
+        return self._chained(op)
+
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        reverse = self._slots_reversed(partner)
+
+        def swap(piece, group_key, instance_key, token, timeout):
             out = tf.raw_ops.CollectiveAllToAllV2(
-                input=rows,
+                input=tf.reverse(piece, [0]) if reverse else piece,
                 group_size=2,
                 group_key=group_key,
                 instance_key=instance_key,
-                ordering_token=[_ordering_token(self.device)],
-                timeout_seconds=self._next_timeout(),
+                ordering_token=token,
+                timeout_seconds=timeout,
             )
-            out.set_shape(x.shape)
+            out.set_shape(piece.shape)
             return tf.reverse(out, [0]) if reverse else out
 
-        return self._chained(op)
+        return self._pairwise(self._pieces(x, partner, axis=1), partner, swap, lambda outs: _joined(outs, axis=1))
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
-        group_key, instance_key = self._keys_for((self.rank, partner))
         reverse = self._slots_reversed(partner)
 
-        def op():
+        def gather(piece, group_key, instance_key, token, timeout):
             out = tf.raw_ops.CollectiveGatherV2(
-                input=_carried(x),
+                input=_carried(piece),
                 group_size=2,
                 group_key=group_key,
                 instance_key=instance_key,
-                ordering_token=[_ordering_token(self.device)],
-                timeout_seconds=self._next_timeout(),
+                ordering_token=token,
+                timeout_seconds=timeout,
             )
-            out = _restored(out, x.dtype)
+            out = tf.reshape(_restored(out, piece.dtype), [2, -1])  # one row per member
+            return tf.reverse(out, [0]) if reverse else out
+
+        def assemble(outs):  # [member 0's x; member 1's x]
+            out = tf.reshape(_joined(outs, axis=1), [-1])
             out.set_shape([None if x.shape[0] is None else 2 * x.shape[0]])
-            if reverse:
-                first, second = tf.split(out, 2)
-                out = tf.concat([second, first], axis=0)
             return out
 
-        return self._chained(op)
+        return self._pairwise(self._pieces(x, partner, axis=0), partner, gather, assemble)
 
     def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
+        """Sums `x` over `members` by recursive doubling when they are a power
+        of two: at step j each rank exchanges its running sum with the member
+        whose index differs in bit j (a pairwise gather) and adds the two in
+        member order, so every member ends with the bitwise same sum after
+        log2(len(members)) exchanges, where a ring reduce (the fallback for
+        other group sizes) takes 2 (len(members) - 1) steps."""
+        count = len(members)
+        if count & (count - 1):
+            return self._ring_sum(x, members)
+        index = members.index(self.rank)
+        flat = tf.reshape(x, [-1])
+        bit = 1
+        while bit < count:
+            both = tf.reshape(self.gather_pair(flat, members[index ^ bit]), [2, -1])
+            with tf.device(self.device):
+                flat = both[0] + both[1]
+            bit <<= 1
+        summed = tf.reshape(flat, tf.shape(x))
+        summed.set_shape(x.shape)
+        return summed
+
+    def _ring_sum(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
         group_key, instance_key = self._keys_for(members)
         summed = self._chained(
             lambda: tf.raw_ops.CollectiveReduceV2(
