@@ -116,7 +116,7 @@ def _claim(owners: dict[int, tuple[str, ...]], key: int, members: tuple[str, ...
         )
 
 
-#: The default `message_bytes` between the CPUs of two processes (see
+#: The default `max_message_bytes` between the CPUs of two processes (see
 #: `TFCollectiveCommunicator`).
 REMOTE_MESSAGE_BYTES = 8 << 20
 
@@ -226,7 +226,7 @@ class TFCollectiveCommunicator:
 
     def _pieces(self, x: tf.Tensor, partner: int, axis: int) -> list[tf.Tensor]:
         """`x`, whose message to `partner` is `axis` long, split along `axis`
-        into pieces whose messages hold at most `message_bytes` (``[x]`` when
+        into pieces whose messages hold at most `_message_bytes` (``[x]`` when
         no split is due)."""
         limit = self._message_bytes(partner)
         length = x.shape[axis]
