@@ -93,6 +93,9 @@ class CountingCommunicator:
     def recv(self, peer, like):
         return self.inner.recv(peer, like)
 
+    def direct(self, members):
+        return False  # every exchange through the wrapped transport, to be counted
+
 
 def _run_counting(n, sizes, rng):
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
@@ -160,7 +163,9 @@ def test_messages_split_into_pieces_give_the_same_bits(n, rng):
 
     def build(max_message_bytes):
         comms = [
-            TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, max_message_bytes=max_message_bytes)
+            TFCollectiveCommunicator(
+                _devices(n), r, TEST_TIMEOUT_SECONDS, max_message_bytes=max_message_bytes, direct=False
+            )
             for r in range(n)
         ]
 
@@ -201,3 +206,46 @@ def test_sum_float64_over_members(members, rng):
     for s in sums:
         assert s.tobytes() == sums[0].tobytes()  # bitwise the same on every member
     np.testing.assert_allclose(sums[0], values[list(members)].sum(0), rtol=1e-14)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_direct_exchange_within_a_process_gives_the_collectives_bits(n, rng):
+    sizes = [5000, 24, 300]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
+
+    def build(direct):
+        comms = [TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, direct=direct) for r in range(n)]
+
+        @tf.function(autograph=False)
+        def run():
+            values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
+            outputs, partials = combine_with_communicators(values, comms, combiners.Adasum())
+            return [[value[r] for value in outputs] for r in range(n)], list(partials)
+
+        return run
+
+    direct, collectives = build(True), build(False)
+    assert not [t for t in _graph_op_types(direct) if t.startswith("Collective")]
+    assert "CollectiveAllToAllV2" in _graph_op_types(collectives)
+    (out_direct, partials_direct), (out_collectives, partials_collectives) = direct(), collectives()
+    expected = reference.adasum_tree(per_rank)
+    for t in range(len(sizes)):
+        for r in range(n):
+            assert out_direct[r][t].numpy().tobytes() == out_collectives[0][t].numpy().tobytes()
+        assert relative_error(out_direct[0][t].numpy(), expected[t]) <= TOLERANCE["float32"]
+    for a, b in zip(partials_direct, partials_collectives):
+        assert a.numpy().tobytes() == b.numpy().tobytes()  # the diagnostics' per-level partial sums too
+
+
+def test_direct_only_between_cpus_of_this_process():
+    devices = [
+        "/job:worker/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:0/device:CPU:1",
+        "/job:worker/replica:0/task:1/device:CPU:0",
+        "/job:worker/replica:0/task:0/device:GPU:0",
+    ]
+    comm = TFCollectiveCommunicator(devices, 0)
+    assert comm.direct((0, 1))
+    assert not comm.direct((0, 2))  # another process
+    assert not comm.direct((0, 3))  # a GPU
+    assert not TFCollectiveCommunicator(devices, 0, direct=False).direct((0, 1))

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
@@ -38,13 +37,14 @@ class Combiner:
         """Applied to each rank's fused buffer before the tree; identity by default."""
         return flat
 
-    def combine(
-        self,
-        x: tf.Tensor,
-        segments: Segments,
-        sum_partials: Callable[[tf.Tensor], tf.Tensor],
-    ) -> tf.Tensor:
-        """Combines ``x = [a; b]`` (``[2, m]``, left subtree first); see `tf_adasum.rvh.PairRule`."""
+    def partials(self, x: tf.Tensor, segments: Segments) -> tf.Tensor | None:
+        """The float64 partials the rule needs summed over the ranks of the two
+        subtrees (None by default); see `tf_adasum.rvh.PairRule`."""
+        return None
+
+    def combine(self, x: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
+        """Combines ``x = [a; b]`` (``[2, m]``, left subtree first) given the summed
+        `partials`; see `tf_adasum.rvh.PairRule`."""
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
@@ -73,8 +73,11 @@ class Adasum(Combiner):
 
     name = "adasum"
 
-    def combine(self, x, segments, sum_partials):
-        c_a, c_b = ops.coefficients(sum_partials(ops.partial_dots(x, segments)))
+    def partials(self, x, segments):
+        return ops.partial_dots(x, segments)
+
+    def combine(self, x, segments, partials):
+        c_a, c_b = ops.coefficients(partials)
         return ops.scaled_sum(x, c_a, c_b, segments)
 
 
@@ -83,7 +86,7 @@ class Sum(Combiner):
 
     name = "sum"
 
-    def combine(self, x, segments, sum_partials):
+    def combine(self, x, segments, partials):
         return x[0] + x[1]
 
 
@@ -135,7 +138,7 @@ class AdaCons(Combiner):
         self.restore_magnitude = restore_magnitude
         self.per_tensor = per_tensor
 
-    def combine(self, x, segments, sum_partials):
+    def combine(self, x, segments, partials):
         raise TypeError("AdaCons is not a pair rule of the Adasum tree; use it through tf_adasum.AdasumOptimizer.")
 
     def get_config(self):

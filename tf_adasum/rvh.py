@@ -19,6 +19,13 @@ the result back. That is one full-buffer send each way for those 2r ranks.
 
 Every element of the result is computed by exactly one rank and copied to the
 others, so every rank ends with a bitwise identical buffer.
+
+`allreduce` builds all of this process's ranks of a tree together, phase by
+phase. Where a communicator allows it (`Communicator.direct`: the CPUs of one
+process), an exchange between two of those ranks is no collective at all: a
+rank reads its partner's tensor where it lies (TensorFlow hands a CPU tensor
+to another CPU device of the same process without copying it), and a partial
+sum over such ranks is a local sum of their partials, in member order.
 """
 
 from __future__ import annotations
@@ -63,6 +70,12 @@ class Communicator(Protocol):
     def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
         """Receives from `peer` a tensor of the shape and dtype of `like`."""
 
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """Whether this rank may read the tensors of `members` (sorted ranks,
+        itself among them) where they lie instead of exchanging them: true
+        only where every member lives in this process and the driver builds
+        them all in one `allreduce` call. Every member must answer alike."""
+
 
 class PairRule(Protocol):
     """How two subtrees' values are combined (Adasum, or a plain sum)."""
@@ -70,19 +83,17 @@ class PairRule(Protocol):
     def prepare(self, flat: tf.Tensor, num_ranks: int) -> tf.Tensor:
         """Applied to each rank's buffer before the tree (e.g. 1/N for a mean)."""
 
-    def combine(
-        self,
-        x: tf.Tensor,
-        segments: Segments,
-        sum_partials: Callable[[tf.Tensor], tf.Tensor],
-    ) -> tf.Tensor:
-        """Combines ``x = [a; b]`` (``[2, m]``): a slice of the left subtree's
-        value ``a`` and the same slice of the right subtree's ``b``; returns ``[m]``.
+    def partials(self, x: tf.Tensor, segments: Segments) -> tf.Tensor | None:
+        """Float64 per-tensor partial sums of the slice ``x = [a; b]`` (``[2, m]``)
+        that the driver sums over every rank holding a slice of these two
+        subtrees (so that a rule may use whole-tensor dot products), or None
+        when the rule needs none."""
 
-        `sum_partials` sums float64 per-tensor partials over all ranks holding
-        a slice of these two subtrees, so a rule may compute whole-tensor dot
-        products from its slice.
-        """
+    def combine(self, x: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
+        """Combines ``x = [a; b]`` (``[2, m]``): a slice of the left subtree's
+        value ``a`` and the same slice of the right subtree's ``b``; returns
+        ``[m]``. `partials`: the sums of what `partials` returned, over the
+        ranks holding these two subtrees (None where it returned None)."""
 
 
 def _num_blocks(size: int) -> int:
@@ -247,69 +258,194 @@ def level_representatives(num_ranks: int) -> list[list[int]]:
 RecordFn = Callable[[int, tf.Tensor], None]
 
 
-def _recording(sum_partials, level: int, record: RecordFn | None):
-    if record is None:
-        return sum_partials
+class _Ranks:
+    """The ranks one `allreduce` call builds, and how each exchange reaches a
+    partner: a plain reference to the partner's tensor where every member is
+    built here and the communicator allows it (`Communicator.direct`), else the
+    communicator's own exchange. Each method takes and returns ``{i: ...}``
+    keyed by the index of the rank's communicator; a direct exchange needs
+    every member's entry in the same call."""
 
-    def summed(partials):
-        partials = sum_partials(partials)
-        record(level, partials)
-        return partials
+    def __init__(self, comms: Sequence[Communicator]):
+        self.comms = list(comms)
+        index = {comm.rank: i for i, comm in enumerate(self.comms)}
+        self._index = index if len(index) == len(self.comms) else {}  # several trees: no direct exchange
 
-    return summed
+    def _direct(self, i: int, members: tuple[int, ...]) -> bool:
+        return all(m in self._index for m in members) and self.comms[i].direct(members)
+
+    def _inputs_of(self, inputs: dict, members: tuple[int, ...]) -> list:
+        return [inputs[self._index[m]][0] for m in members]
+
+    def swap_halves(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
+        out = {}
+        for i, (x, partner) in inputs.items():
+            comm = self.comms[i]
+            pair = tuple(sorted((comm.rank, partner)))
+            if self._direct(i, pair):
+                row = pair.index(comm.rank)
+                with tf.device(comm.device):
+                    out[i] = tf.stack([member_x[row] for member_x in self._inputs_of(inputs, pair)])
+            else:
+                out[i] = comm.swap_halves(x, partner)
+        return out
+
+    def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
+        out = {}
+        for i, (x, partner) in inputs.items():
+            comm = self.comms[i]
+            pair = tuple(sorted((comm.rank, partner)))
+            if self._direct(i, pair):
+                with tf.device(comm.device):
+                    out[i] = tf.concat(self._inputs_of(inputs, pair), axis=0)
+            else:
+                out[i] = comm.gather_pair(x, partner)
+        return out
+
+    def sum_float64(self, inputs: dict[int, tuple[tf.Tensor, tuple[int, ...]]]) -> dict[int, tf.Tensor]:
+        out = {}
+        for i, (x, members) in inputs.items():
+            comm = self.comms[i]
+            if self._direct(i, members):
+                with tf.device(comm.device):
+                    out[i] = _pairwise_sum(self._inputs_of(inputs, members))
+            else:
+                out[i] = comm.sum_float64(x, members)
+        return out
+
+    def transfer(
+        self, sends: dict[int, tuple[tf.Tensor, int]], recvs: dict[int, tuple[int, tf.Tensor]]
+    ) -> tuple[dict[int, tf.Tensor], dict[int, tf.Tensor]]:
+        """Each rank in `sends` sends ``x`` to its peer, each in `recvs` receives
+        a tensor like ``like`` from its peer; returns (the sent tensors, once
+        sent; the received ones)."""
+        sent, received = {}, {}
+        for i, (x, peer) in sends.items():
+            comm = self.comms[i]
+            sent[i] = x if self._direct(i, tuple(sorted((comm.rank, peer)))) else comm.send(x, peer)
+        for i, (peer, like) in recvs.items():
+            comm = self.comms[i]
+            if self._direct(i, tuple(sorted((comm.rank, peer)))):
+                received[i] = sends[self._index[peer]][0]
+            else:
+                received[i] = comm.recv(peer, like=like)
+        return sent, received
 
 
+def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
+    """The sum of `values` as recursive doubling adds them (neighbours first),
+    in list order, so every rank computing it gets the same bits."""
+    while len(values) > 1:
+        values = [values[k] + values[k + 1] if k + 1 < len(values) else values[k] for k in range(0, len(values), 2)]
+    return values[0]
+
+
+def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rule: PairRule, records, level: int):
+    """Every rank's `rule.combine` of its ``[a; b]`` in `pairs`, the rule's
+    partials summed over each rank's `blocks` of ranks (None: its own alone)."""
+    comms = ranks.comms
+    partials = {}
+    for i, x in pairs.items():
+        with tf.device(comms[i].device):
+            partials[i] = rule.partials(x, segments[i])
+    if any(p is not None for p in partials.values()):
+        shared = {i: (p, blocks[i]) for i, p in partials.items() if blocks[i] is not None}
+        partials = {**partials, **ranks.sum_float64(shared)}
+        for i, p in partials.items():
+            if records[i] is not None:
+                records[i](level, p)
+    out = {}
+    for i, x in pairs.items():
+        with tf.device(comms[i].device):
+            out[i] = rule.combine(x, segments[i], partials[i])
+    return out
+
+
+@tf.autograph.experimental.do_not_convert  # builds a graph; plain Python, nothing for AutoGraph to convert
 def allreduce(
-    comm: Communicator, flat: tf.Tensor, bucket: Bucket, rule: PairRule, record: RecordFn | None = None
-) -> tf.Tensor:
-    """Combines one bucket over all ranks; call on every rank with its buffer.
+    comms: Sequence[Communicator],
+    flats: Sequence[tf.Tensor],
+    bucket: Bucket,
+    rule: PairRule,
+    records: Sequence[RecordFn | None] | None = None,
+) -> list[tf.Tensor]:
+    """Combines one bucket over all ranks; called once in every process, with
+    the communicators of the ranks it holds and their buffers.
 
     Args:
-      comm: this rank's communicator.
-      flat: this rank's buffer, as made by `pack`.
-      bucket: the buffer's layout (identical on every rank).
+      comms: this process's ranks' communicators (one or more; of one tree,
+        or one each of several trees of the same size).
+      flats: each rank's buffer, as made by `pack`.
+      bucket: the buffers' layout (identical on every rank).
       rule: the pair rule, e.g. Adasum.
-      record: optional; receives the partial sums a rule computes at each
-        level (for diagnostics; no extra communication).
+      records: optional, per rank; receives the partial sums a rule computes
+        at each level (for diagnostics; no extra communication).
 
     Returns:
-      The combined buffer, bitwise identical on every rank.
+      Each given rank's combined buffer, bitwise identical on every rank.
     """
-    rank, size = comm.rank, comm.size
-    flat = rule.prepare(flat, size)
+    ranks = _Ranks(comms)
+    records = list(records) if records is not None else [None] * len(comms)
+    size = comms[0].size
+    flats = list(flats)
+    for i, comm in enumerate(comms):
+        with tf.device(comm.device):
+            flats[i] = rule.prepare(flats[i], size)
     if size == 1:
-        return flat
+        return flats
     leaves, folded = tree_shape(size)
-    if rank < 2 * folded:
-        if rank % 2:
-            sent = comm.send(flat, rank - 1)
-            return comm.recv(rank - 1, like=sent)
-        pair = tf.stack([flat, comm.recv(rank + 1, like=flat)])
-        flat = rule.combine(pair, bucket.segments(0, bucket.padded_length), _recording(tf.identity, 0, record))
-        virtual = rank // 2
-    else:
-        virtual = rank - folded
-    level = 1 if folded else 0
+    rank_of = [comm.rank for comm in comms]
 
-    lo, length = 0, bucket.padded_length
+    # The fold: rank 2i + 1 (i < r) hands its buffer to rank 2i.
+    folds = [i for i, rank in enumerate(rank_of) if rank < 2 * folded]
+    sends = {i: (flats[i], rank_of[i] - 1) for i in folds if rank_of[i] % 2}
+    recvs = {i: (rank_of[i] + 1, flats[i]) for i in folds if not rank_of[i] % 2}
+    sent, received = ranks.transfer(sends, recvs)
+    if received:
+        pairs = {}
+        for i, b in received.items():
+            with tf.device(comms[i].device):
+                pairs[i] = tf.stack([flats[i], b])
+        whole = bucket.segments(0, bucket.padded_length)
+        folded_pairs = _combine_pairs(
+            ranks, pairs, dict.fromkeys(pairs, whole), dict.fromkeys(pairs), rule, records, level=0
+        )
+        flats = [folded_pairs.get(i, flat) for i, flat in enumerate(flats)]
+
+    tree = [i for i in range(len(comms)) if i not in sends]
+    virtual = {i: rank_of[i] // 2 if rank_of[i] < 2 * folded else rank_of[i] - folded for i in tree}
+    level = 1 if folded else 0
+    lo, length = dict.fromkeys(tree, 0), bucket.padded_length
     bit = 1
     while bit < leaves:
-        partner = _real_rank(virtual ^ bit, folded)
         half = length // 2
-        swapped = comm.swap_halves(tf.reshape(flat, [2, half]), partner)
-        if virtual & bit:
-            lo += half
+        outgoing = {}
+        for i in tree:
+            with tf.device(comms[i].device):
+                outgoing[i] = (tf.reshape(flats[i], [2, half]), _real_rank(virtual[i] ^ bit, folded))
+        swapped = ranks.swap_halves(outgoing)
         length = half
-        block_start = virtual & ~(2 * bit - 1)
-        block = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
-        sum_partials = lambda partials, block=block: comm.sum_float64(partials, block)  # noqa: E731
-        flat = rule.combine(swapped, bucket.segments(lo, lo + length), _recording(sum_partials, level, record))
+        segments, blocks = {}, {}
+        for i in tree:
+            if virtual[i] & bit:
+                lo[i] += half
+            segments[i] = bucket.segments(lo[i], lo[i] + length)
+            block_start = virtual[i] & ~(2 * bit - 1)
+            blocks[i] = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
+        for i, flat in _combine_pairs(ranks, swapped, segments, blocks, rule, records, level).items():
+            flats[i] = flat
         bit <<= 1
         level += 1
     while bit > 1:
         bit >>= 1
-        flat = comm.gather_pair(flat, _real_rank(virtual ^ bit, folded))
+        gathered = ranks.gather_pair({i: (flats[i], _real_rank(virtual[i] ^ bit, folded)) for i in tree})
+        for i, flat in gathered.items():
+            flats[i] = flat
 
-    if rank < 2 * folded:
-        flat = comm.send(flat, rank + 1)
-    return flat
+    # The unfold: rank 2i hands the result back to rank 2i + 1.
+    back_sends = {i: (flats[i], rank_of[i] + 1) for i in recvs}
+    back_recvs = {i: (rank_of[i] - 1, sent[i]) for i in sends}
+    back_sent, back_received = ranks.transfer(back_sends, back_recvs)
+    for i, flat in {**back_sent, **back_received}.items():
+        flats[i] = flat
+    return flats

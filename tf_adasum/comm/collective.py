@@ -5,8 +5,9 @@ Pairwise steps are ``CollectiveAllToAllV2`` (phase 1) and ``CollectiveGatherV2``
 concurrent pieces; per-level partial sums are float64 and summed by recursive
 doubling over the same pairs (log2 of the subgroup's size pairwise gathers);
 the non-power-of-two fold uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``.
-The same ops serve the devices of one process and devices spread over worker
-processes.
+The same ops serve devices spread over worker processes and the GPUs of one
+process; between the CPUs of one process the driver uses none of them
+(`TFCollectiveCommunicator.direct`) unless told to.
 
 Keys are handed out in one place, `CollectiveKeys`: a group key derived from
 the set of devices, and per (group, device) an instance-key counter, so every member of a
@@ -180,6 +181,9 @@ class TFCollectiveCommunicator:
         sleeps for the whole timeout, per op executed, so timing every op
         would pile up thousands of threads per minute.
       keys: the key allocator (the process-wide one by default).
+      direct: whether ranks on the CPUs of this process read each other's
+        tensors where they lie (see `direct`) instead of exchanging them over
+        collectives (default True; False keeps every exchange a collective).
       max_message_bytes: a pairwise message (a swapped or gathered half)
         larger than this travels as several concurrent collectives of at
         most this size; 0 never splits. None (default): `REMOTE_MESSAGE_BYTES`
@@ -195,6 +199,7 @@ class TFCollectiveCommunicator:
         timeout_seconds: float | None = None,
         keys: CollectiveKeys = KEYS,
         max_message_bytes: int | None = None,
+        direct: bool = True,
     ):
         self.devices = tuple(devices)
         self.rank = rank
@@ -203,7 +208,24 @@ class TFCollectiveCommunicator:
         self._timeout = float(timeout_seconds or 0)
         self._keys = keys
         self._max_message_bytes = max_message_bytes
+        self._direct = direct
         self._last: tf.Tensor | None = None
+
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """True when every member's device is a CPU of this rank's process
+        (and `direct` was not turned off): TensorFlow hands a CPU tensor to
+        another CPU device of one process by reference, so the driver reads
+        a partner's half where it lies, where a collective would copy it
+        (twice, for an all-to-all: its own row too) through a rendezvous."""
+        if not self._direct:
+            return False
+        mine = tf.DeviceSpec.from_string(self.device)
+        for member in members:
+            spec = tf.DeviceSpec.from_string(self.devices[member])
+            same_process = (spec.job, spec.replica, spec.task) == (mine.job, mine.replica, mine.task)
+            if not same_process or (spec.device_type or "CPU").upper() != "CPU":
+                return False
+        return True
 
     def _next_timeout(self) -> float:
         return self._timeout if self._last is None else 0.0

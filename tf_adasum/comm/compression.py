@@ -140,6 +140,11 @@ class Compressed:
     def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
         return self.comm.sum_float64(x, members)
 
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """False: compression asks for what travels to be rounded, so every
+        exchange goes through the wrapped transport."""
+        return False
+
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
         if not self._compresses(x):
             return self.comm.send(x, peer)

@@ -368,3 +368,7 @@ class MPICommunicator:
             return out
 
         return self._chain.call(recv, [like], like.dtype, like.shape)
+
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """False: every rank is a process of its own."""
+        return False

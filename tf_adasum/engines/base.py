@@ -22,6 +22,7 @@ Values travel as a list with one entry per tensor, each either a
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -157,14 +158,18 @@ def combine_with_communicators(
     levels = rvh.num_levels(num_ranks)
     recorded = [[[None] * len(values) for _ in range(levels)] for _ in comms]
     for bucket in buckets:
+
+        def record(level, partials, local, bucket=bucket):
+            for row, i in enumerate(bucket.indices):
+                recorded[local][level][i] = partials[row]
+
+        flats = []
         for local, comm in enumerate(comms):
-
-            def record(level, partials, local=local, bucket=bucket):
-                for row, i in enumerate(bucket.indices):
-                    recorded[local][level][i] = partials[row]
-
             with tf.device(comm.device):
-                flat = rvh.allreduce(comm, rvh.pack(outputs[local], bucket), bucket, combiner, record)
+                flats.append(rvh.pack(outputs[local], bucket))
+        records = [functools.partial(record, local=local) for local in range(len(comms))]
+        for local, (comm, flat) in enumerate(zip(comms, rvh.allreduce(comms, flats, bucket, combiner, records))):
+            with tf.device(comm.device):
                 for i, tensor in zip(bucket.indices, rvh.unpack(flat, bucket, shapes)):
                     outputs[local][i] = tensor
     partials = []
