@@ -185,7 +185,7 @@ def _dots(pairs):
     """The dot products of every level, as the TF path computes them."""
     from tf_adasum import ops
 
-    return [ops.partial_dots(x, ops.Segments.single()) for x in pairs]
+    return [ops.partial_dots(x[0], x[1], ops.Segments.single()) for x in pairs]
 
 
 def _with_compressed(record, compression, compressed_ms):

@@ -149,10 +149,10 @@ def test_kernels_match_reference(kernels, dtype, segments, blocks, rng):
     block_tensor = np.repeat(np.arange(segments.first, segments.first + len(counts)), counts)
     expected = _reference_dots(x_np, block_tensor, segments.num_tensors)
     with tf.device("/CPU:0"):
-        x = tf.constant(x_np)
-        dots = ops.partial_dots(x, segments).numpy()
+        a, b = tf.constant(x_np[0]), tf.constant(x_np[1])
+        dots = ops.partial_dots(a, b, segments).numpy()
         c_a, c_b = ops.coefficients(tf.constant(expected))
-        out = ops.scaled_sum(x, c_a, c_b, segments).numpy()
+        out = ops.scaled_sum(a, b, c_a, c_b, segments).numpy()
     assert dots.dtype == np.float64 and dots.shape == (segments.num_tensors, 3)
     np.testing.assert_allclose(dots, expected, rtol=1e-12, atol=0)
     per_element = block_tensor.repeat(ops.BLOCK)
@@ -160,7 +160,9 @@ def test_kernels_match_reference(kernels, dtype, segments, blocks, rng):
     assert out.dtype == x_np.dtype and out.shape == (m,)
     assert relative_error(out, want) <= TOLERANCE[dtype]
     native_ops = {"TfAdasumPartialDots", "TfAdasumScaledSum"}
-    types = _op_types(lambda x: ops.scaled_sum(x, *ops.coefficients(ops.partial_dots(x, segments)), segments), x)
+    types = _op_types(
+        lambda a, b: ops.scaled_sum(a, b, *ops.coefficients(ops.partial_dots(a, b, segments)), segments), a, b
+    )
     assert (native_ops <= types) if kernels == "native" else not (native_ops & types), types
 
 
@@ -172,13 +174,13 @@ def test_native_and_tensorflow_kernels_agree(dtype, rng, monkeypatch):
     assert ops.cpu_kernels() is not None, "the native CPU kernels did not build (see the warning)"
     segments = SEGMENTS[1][0]
     with tf.device("/CPU:0"):
-        x = tf.constant(rng.standard_normal((2, 558 * ops.BLOCK)).astype(NUMPY_DTYPES[dtype]))
-        native_dots = ops.partial_dots(x, segments)
+        a, b = tf.unstack(tf.constant(rng.standard_normal((2, 558 * ops.BLOCK)).astype(NUMPY_DTYPES[dtype])))
+        native_dots = ops.partial_dots(a, b, segments)
         c_a, c_b = ops.coefficients(native_dots)
-        native_sum = ops.scaled_sum(x, c_a, c_b, segments)
+        native_sum = ops.scaled_sum(a, b, c_a, c_b, segments)
         monkeypatch.setattr(ops, "_cpu_loaded", [])
         monkeypatch.setenv("TF_ADASUM_CPU_KERNELS", "0")
-        tf_dots, tf_sum = ops.partial_dots(x, segments), ops.scaled_sum(x, c_a, c_b, segments)
+        tf_dots, tf_sum = ops.partial_dots(a, b, segments), ops.scaled_sum(a, b, c_a, c_b, segments)
     np.testing.assert_allclose(tf_dots.numpy(), native_dots.numpy(), rtol=1e-13)
     ulp = float(np.finfo(NUMPY_DTYPES[dtype]).eps)
     np.testing.assert_allclose(tf_sum.numpy(), native_sum.numpy(), rtol=ulp, atol=0)
@@ -187,23 +189,35 @@ def test_native_and_tensorflow_kernels_agree(dtype, rng, monkeypatch):
 def test_native_kernels_reject_a_slice_that_does_not_match_its_counts():
     native = ops.cpu_kernels()
     assert native is not None
+    zeros = tf.zeros([256])
     with pytest.raises(tf.errors.InvalidArgumentError, match="not the 3 blocks of 128"):
-        native.tf_adasum_partial_dots(tf.zeros([2, 256]), first=0, counts=[1, 2], num_tensors=2)
+        native.tf_adasum_partial_dots(zeros, zeros, first=0, counts=[1, 2], num_tensors=2)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not within num_tensors=2"):
-        native.tf_adasum_partial_dots(tf.zeros([2, 256]), first=1, counts=[1, 1], num_tensors=2)
+        native.tf_adasum_partial_dots(zeros, zeros, first=1, counts=[1, 1], num_tensors=2)
     with pytest.raises(tf.errors.InvalidArgumentError, match="must be >= 0"):
-        native.tf_adasum_partial_dots(tf.zeros([2, 128]), first=0, counts=[-1, 2], num_tensors=2)
+        native.tf_adasum_partial_dots(zeros[:128], zeros[:128], first=0, counts=[-1, 2], num_tensors=2)
     with pytest.raises(tf.errors.InvalidArgumentError, match="c_a and c_b must have num_tensors=2"):
         native.tf_adasum_scaled_sum(
-            tf.zeros([2, 256]),
+            zeros,
+            zeros,
             tf.ones([1], tf.float64),
             tf.ones([2], tf.float64),
             first=0,
             counts=[1, 1],
             num_tensors=2,
         )
-    with pytest.raises(ValueError, match="must be rank 2"):
-        _op_types(lambda x: native.tf_adasum_partial_dots(x, first=0, counts=[-1], num_tensors=1), tf.zeros([256]))
+    with pytest.raises(ValueError, match="must be rank 1"):
+        _op_types(
+            lambda x: native.tf_adasum_partial_dots(x, x, first=0, counts=[-1], num_tensors=1), tf.zeros([2, 128])
+        )
+    with pytest.raises(ValueError, match="must be equal"):
+        _op_types(
+            lambda a, b: native.tf_adasum_scaled_sum(
+                a, b, tf.ones([1], tf.float64), tf.ones([1], tf.float64), first=0, counts=[-1], num_tensors=1
+            ),
+            tf.zeros([256]),
+            tf.zeros([128]),
+        )
 
 
 def test_adasum_pair_stays_differentiable_and_xla_compilable(rng):

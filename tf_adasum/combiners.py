@@ -37,13 +37,13 @@ class Combiner:
         """Applied to each rank's fused buffer before the tree; identity by default."""
         return flat
 
-    def partials(self, x: tf.Tensor, segments: Segments) -> tf.Tensor | None:
+    def partials(self, a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor | None:
         """The float64 partials the rule needs summed over the ranks of the two
         subtrees (None by default); see `tf_adasum.rvh.PairRule`."""
         return None
 
-    def combine(self, x: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
-        """Combines ``x = [a; b]`` (``[2, m]``, left subtree first) given the summed
+    def combine(self, a: tf.Tensor, b: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
+        """Combines the slices `a` (left subtree) and `b` (right) given the summed
         `partials`; see `tf_adasum.rvh.PairRule`."""
         raise NotImplementedError
 
@@ -73,12 +73,12 @@ class Adasum(Combiner):
 
     name = "adasum"
 
-    def partials(self, x, segments):
-        return ops.partial_dots(x, segments)
+    def partials(self, a, b, segments):
+        return ops.partial_dots(a, b, segments)
 
-    def combine(self, x, segments, partials):
+    def combine(self, a, b, segments, partials):
         c_a, c_b = ops.coefficients(partials)
-        return ops.scaled_sum(x, c_a, c_b, segments)
+        return ops.scaled_sum(a, b, c_a, c_b, segments)
 
 
 class Sum(Combiner):
@@ -86,8 +86,8 @@ class Sum(Combiner):
 
     name = "sum"
 
-    def combine(self, x, segments, partials):
-        return x[0] + x[1]
+    def combine(self, a, b, segments, partials):
+        return a + b
 
 
 class Mean(Sum):
@@ -138,7 +138,7 @@ class AdaCons(Combiner):
         self.restore_magnitude = restore_magnitude
         self.per_tensor = per_tensor
 
-    def combine(self, x, segments, partials):
+    def combine(self, a, b, segments, partials):
         raise TypeError("AdaCons is not a pair rule of the Adasum tree; use it through tf_adasum.AdasumOptimizer.")
 
     def get_config(self):

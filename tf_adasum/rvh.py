@@ -83,17 +83,17 @@ class PairRule(Protocol):
     def prepare(self, flat: tf.Tensor, num_ranks: int) -> tf.Tensor:
         """Applied to each rank's buffer before the tree (e.g. 1/N for a mean)."""
 
-    def partials(self, x: tf.Tensor, segments: Segments) -> tf.Tensor | None:
-        """Float64 per-tensor partial sums of the slice ``x = [a; b]`` (``[2, m]``)
-        that the driver sums over every rank holding a slice of these two
-        subtrees (so that a rule may use whole-tensor dot products), or None
-        when the rule needs none."""
+    def partials(self, a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor | None:
+        """Float64 per-tensor partial sums of the slices `a` and `b` (``[m]``
+        each) that the driver sums over every rank holding a slice of these
+        two subtrees (so that a rule may use whole-tensor dot products), or
+        None when the rule needs none."""
 
-    def combine(self, x: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
-        """Combines ``x = [a; b]`` (``[2, m]``): a slice of the left subtree's
-        value ``a`` and the same slice of the right subtree's ``b``; returns
-        ``[m]``. `partials`: the sums of what `partials` returned, over the
-        ranks holding these two subtrees (None where it returned None)."""
+    def combine(self, a: tf.Tensor, b: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
+        """Combines `a`, a slice of the left subtree's value, and `b`, the same
+        slice of the right subtree's (``[m]`` each); returns ``[m]``.
+        `partials`: the sums of what `partials` returned, over the ranks
+        holding these two subtrees (None where it returned None)."""
 
 
 def _num_blocks(size: int) -> int:
@@ -277,17 +277,20 @@ class _Ranks:
     def _inputs_of(self, inputs: dict, members: tuple[int, ...]) -> list:
         return [inputs[self._index[m]][0] for m in members]
 
-    def swap_halves(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
+    def swap_halves(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
+        """Per rank ``(a, b)``: what the lower and the upper member of its pair
+        send it (rows of the ``[2, m]`` inputs; views, not copies, on CPUs)."""
         out = {}
         for i, (x, partner) in inputs.items():
             comm = self.comms[i]
             pair = tuple(sorted((comm.rank, partner)))
             if self._direct(i, pair):
                 row = pair.index(comm.rank)
-                with tf.device(comm.device):
-                    out[i] = tf.stack([member_x[row] for member_x in self._inputs_of(inputs, pair)])
+                rows = [member_x[row] for member_x in self._inputs_of(inputs, pair)]
             else:
-                out[i] = comm.swap_halves(x, partner)
+                rows = comm.swap_halves(x, partner)
+            with tf.device(comm.device):
+                out[i] = (rows[0], rows[1])
         return out
 
     def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
@@ -341,13 +344,13 @@ def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
 
 
 def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rule: PairRule, records, level: int):
-    """Every rank's `rule.combine` of its ``[a; b]`` in `pairs`, the rule's
+    """Every rank's `rule.combine` of its ``(a, b)`` in `pairs`, the rule's
     partials summed over each rank's `blocks` of ranks (None: its own alone)."""
     comms = ranks.comms
     partials = {}
-    for i, x in pairs.items():
+    for i, (a, b) in pairs.items():
         with tf.device(comms[i].device):
-            partials[i] = rule.partials(x, segments[i])
+            partials[i] = rule.partials(a, b, segments[i])
     if any(p is not None for p in partials.values()):
         shared = {i: (p, blocks[i]) for i, p in partials.items() if blocks[i] is not None}
         partials = {**partials, **ranks.sum_float64(shared)}
@@ -355,9 +358,9 @@ def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rul
             if records[i] is not None:
                 records[i](level, p)
     out = {}
-    for i, x in pairs.items():
+    for i, (a, b) in pairs.items():
         with tf.device(comms[i].device):
-            out[i] = rule.combine(x, segments[i], partials[i])
+            out[i] = rule.combine(a, b, segments[i], partials[i])
     return out
 
 
@@ -402,10 +405,7 @@ def allreduce(
     recvs = {i: (rank_of[i] + 1, flats[i]) for i in folds if not rank_of[i] % 2}
     sent, received = ranks.transfer(sends, recvs)
     if received:
-        pairs = {}
-        for i, b in received.items():
-            with tf.device(comms[i].device):
-                pairs[i] = tf.stack([flats[i], b])
+        pairs = {i: (flats[i], b) for i, b in received.items()}
         whole = bucket.segments(0, bucket.padded_length)
         folded_pairs = _combine_pairs(
             ranks, pairs, dict.fromkeys(pairs, whole), dict.fromkeys(pairs), rule, records, level=0

@@ -4,7 +4,7 @@
 // Built and loaded by tf_adasum/ops.py (through tf_adasum/native_build.py).
 // The semantics are those of ops.partial_dots and ops.scaled_sum:
 //
-// * x is [2, m]: row 0 a slice of the left operand a, row 1 of the right b.
+// * a and b are [m]: the same slice of the left operand and of the right.
 //   The slice holds whole blocks of 128 elements; tensor `first + i` owns
 //   `counts[i]` consecutive blocks, and the counts add up to the slice
 //   (counts = [-1]: all of the slice, of any length, belongs to `first`).
@@ -81,9 +81,10 @@ Status MakeChunks(int64_t m, int first, const std::vector<int>& counts, int num_
   return absl::OkStatus();
 }
 
-Status CheckSlice(const Tensor& x) {
-  if (x.dims() != 2 || x.dim_size(0) != 2) {
-    return absl::InvalidArgumentError(absl::StrCat("x must be [2, m]; received shape ", x.shape().DebugString()));
+Status CheckSlice(const Tensor& a, const Tensor& b) {
+  if (a.dims() != 1 || b.dims() != 1 || a.dim_size(0) != b.dim_size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat("a and b must be vectors of one length; received shapes ",
+                                                   a.shape().DebugString(), " and ", b.shape().DebugString()));
   }
   return absl::OkStatus();
 }
@@ -114,13 +115,14 @@ class PartialDotsOp : public SliceOp {
   using SliceOp::SliceOp;
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& x = context->input(0);
-    OP_REQUIRES_OK(context, CheckSlice(x));
-    const int64_t m = x.dim_size(1);
+    const Tensor& a_in = context->input(0);
+    const Tensor& b_in = context->input(1);
+    OP_REQUIRES_OK(context, CheckSlice(a_in, b_in));
+    const int64_t m = a_in.dim_size(0);
     std::vector<Chunk> chunks;
     OP_REQUIRES_OK(context, MakeChunks(m, first_, counts_, num_tensors_, &chunks));
-    const T* a = x.flat<T>().data();
-    const T* b = a + m;
+    const T* a = a_in.flat<T>().data();
+    const T* b = b_in.flat<T>().data();
     std::vector<double> sums(3 * chunks.size(), 0.0);
     RunChunks(context, chunks.size(), [&](int64_t lo, int64_t hi) {
       for (int64_t c = lo; c < hi; ++c) {
@@ -143,21 +145,22 @@ class ScaledSumOp : public SliceOp {
   using SliceOp::SliceOp;
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& x = context->input(0);
-    const Tensor& c_a = context->input(1);
-    const Tensor& c_b = context->input(2);
-    OP_REQUIRES_OK(context, CheckSlice(x));
+    const Tensor& a_in = context->input(0);
+    const Tensor& b_in = context->input(1);
+    const Tensor& c_a = context->input(2);
+    const Tensor& c_b = context->input(3);
+    OP_REQUIRES_OK(context, CheckSlice(a_in, b_in));
     OP_REQUIRES(context, c_a.NumElements() == num_tensors_ && c_b.NumElements() == num_tensors_,
                 absl::InvalidArgumentError(absl::StrCat("c_a and c_b must have num_tensors=", num_tensors_,
                                                         " elements; received ", c_a.NumElements(), " and ",
                                                         c_b.NumElements())));
-    const int64_t m = x.dim_size(1);
+    const int64_t m = a_in.dim_size(0);
     std::vector<Chunk> chunks;
     OP_REQUIRES_OK(context, MakeChunks(m, first_, counts_, num_tensors_, &chunks));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({m}), &out));
-    const T* a = x.flat<T>().data();
-    const T* b = a + m;
+    const T* a = a_in.flat<T>().data();
+    const T* b = b_in.flat<T>().data();
     const double* ca = c_a.flat<double>().data();
     const double* cb = c_b.flat<double>().data();
     T* result = out->flat<T>().data();
@@ -257,34 +260,38 @@ class ScaleAndCheckOp : public OpKernel {
   }
 };
 
-// x must be [2, m].
-Status CheckSliceShape(::tensorflow::shape_inference::InferenceContext* c) {
-  ::tensorflow::shape_inference::ShapeHandle x;
-  ::tensorflow::shape_inference::DimensionHandle rows;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &x));
-  return c->WithValue(c->Dim(x, 0), 2, &rows);
+// a and b must be vectors of one length; `length` is that length.
+Status CheckSliceShape(::tensorflow::shape_inference::InferenceContext* c,
+                       ::tensorflow::shape_inference::DimensionHandle* length) {
+  ::tensorflow::shape_inference::ShapeHandle a, b;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &a));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &b));
+  return c->Merge(c->Dim(a, 0), c->Dim(b, 0), length);
 }
 
 }  // namespace
 
 REGISTER_OP("TfAdasumPartialDots")
-    .Input("x: T")
+    .Input("a: T")
+    .Input("b: T")
     .Output("sums: float64")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("first: int >= 0")
     .Attr("counts: list(int)")
     .Attr("num_tensors: int >= 1")
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      TF_RETURN_IF_ERROR(CheckSliceShape(c));
+      ::tensorflow::shape_inference::DimensionHandle length;
+      TF_RETURN_IF_ERROR(CheckSliceShape(c, &length));
       int num_tensors;
       TF_RETURN_IF_ERROR(c->GetAttr("num_tensors", &num_tensors));
       c->set_output(0, c->Matrix(num_tensors, 3));
       return absl::OkStatus();
     })
-    .Doc("Per tensor [a.b, |a|^2, |b|^2] in float64 over a slice x = [a; b] of a fused buffer.");
+    .Doc("Per tensor [a.b, |a|^2, |b|^2] in float64 over the same slice a, b of two fused buffers.");
 
 REGISTER_OP("TfAdasumScaledSum")
-    .Input("x: T")
+    .Input("a: T")
+    .Input("b: T")
     .Input("c_a: float64")
     .Input("c_b: float64")
     .Output("out: T")
@@ -293,11 +300,12 @@ REGISTER_OP("TfAdasumScaledSum")
     .Attr("counts: list(int)")
     .Attr("num_tensors: int >= 1")
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      TF_RETURN_IF_ERROR(CheckSliceShape(c));
-      c->set_output(0, c->Vector(c->Dim(c->input(0), 1)));
+      ::tensorflow::shape_inference::DimensionHandle length;
+      TF_RETURN_IF_ERROR(CheckSliceShape(c, &length));
+      c->set_output(0, c->Vector(length));
       return absl::OkStatus();
     })
-    .Doc("c_a[t] * a + c_b[t] * b per tensor t in float64, cast to T, over a slice x = [a; b].");
+    .Doc("c_a[t] * a + c_b[t] * b per tensor t in float64, cast to T, over the same slice a, b of two buffers.");
 
 REGISTER_OP("TfAdasumScaleAndCheck")
     .Input("x: T")
