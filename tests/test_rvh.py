@@ -208,9 +208,9 @@ def test_sum_float64_over_members(members, rng):
     np.testing.assert_allclose(sums[0], values[list(members)].sum(0), rtol=1e-14)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
 def test_direct_exchange_within_a_process_gives_the_collectives_bits(n, rng):
-    sizes = [5000, 24, 300]
+    sizes = [5000, 24, 300] + [7] * 12  # many tensors: many partial-sum rows
     per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
 
     def build(direct):

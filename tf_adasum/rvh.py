@@ -336,10 +336,19 @@ class _Ranks:
 
 
 def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
-    """The sum of `values` as recursive doubling adds them (neighbours first),
-    in list order, so every rank computing it gets the same bits."""
+    """The sum of `values` as recursive doubling adds them (neighbours first,
+    in list order: (v0 + v1) + (v2 + v3) for four), so every rank computing
+    it gets the bits of `Communicator.sum_float64` over the same members.
+    Each addition of two is a `tf.reduce_sum` over a pair of rows, not an
+    ``Add``: Grappler's arithmetic optimizer may merge a tree of ``Add`` ops
+    into one ``AddN`` and order its inputs differently in two ranks' graphs
+    (seen here for sums over the rows of one tensor: one rank of four got
+    other bits)."""
     while len(values) > 1:
-        values = [values[k] + values[k + 1] if k + 1 < len(values) else values[k] for k in range(0, len(values), 2)]
+        values = [
+            tf.reduce_sum(tf.stack(values[k : k + 2]), axis=0) if k + 1 < len(values) else values[k]
+            for k in range(0, len(values), 2)
+        ]
     return values[0]
 
 
