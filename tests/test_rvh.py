@@ -249,3 +249,52 @@ def test_direct_only_between_cpus_of_this_process():
     assert not comm.direct((0, 2))  # another process
     assert not comm.direct((0, 3))  # a GPU
     assert not TFCollectiveCommunicator(devices, 0, direct=False).direct((0, 1))
+
+
+class DirectWithin:
+    """A collective communicator that answers `direct` for members within one
+    block of `block` consecutive ranks only, as a process holding `block` of
+    a tree's ranks would (a mixed tree: some pairs direct, some collective)."""
+
+    def __init__(self, inner, block):
+        self.inner, self.block = inner, block
+        self.rank, self.size, self.device = inner.rank, inner.size, inner.device
+
+    def direct(self, members):
+        return len({m // self.block for m in members}) == 1
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("n, block", [(4, 2), (6, 3), (8, 4), (5, 2)])
+def test_mixed_trees_give_the_collectives_bits(n, block, rng):
+    sizes = [3000, 24, 300]
+    per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
+
+    def build(wrap):
+        comms = [wrap(TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, direct=False)) for r in range(n)]
+
+        @tf.function(autograph=False)
+        def run():
+            values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
+            outputs, partials = combine_with_communicators(values, comms, combiners.Adasum())
+            return [[value[r] for value in outputs] for r in range(n)], list(partials)
+
+        return run
+
+    mixed, collectives = build(lambda c: DirectWithin(c, block)), build(lambda c: c)
+    graph = mixed.get_concrete_function().graph
+    outputs = {t.op for t in graph.outputs}  # the function's own output Identities
+    unplaced = [
+        op.type
+        for op in graph.get_operations()
+        if not op.device and op not in outputs and op.type not in ("Const", "NoOp", "Placeholder")
+    ]
+    assert not unplaced  # every op of the collective on its rank's device
+    (out_mixed, partials_mixed), (out_collectives, partials_collectives) = mixed(), collectives()
+    for t in range(len(sizes)):
+        for r in range(n):
+            assert out_mixed[r][t].numpy().tobytes() == out_collectives[0][t].numpy().tobytes()
+    for a, b in zip(partials_mixed, partials_collectives):
+        assert a.numpy().tobytes() == b.numpy().tobytes()

@@ -1,8 +1,8 @@
 """ADASUMRVH: the recursive vector-halving all-reduce, written once.
 
-The driver runs on one rank at a time against a small `Communicator`: in one
-process holding several devices it is called once per device (each call
-builds that device's part of the graph), across processes once per process.
+The driver runs against a small `Communicator` per rank; each process calls it
+once per bucket with all the ranks it holds, whose parts of the graph it
+builds together (see `allreduce`).
 
 Phase 1 (reduce-scatter by vector halving): at level k a rank swaps half of its
 current slice with partner ``rank XOR 2^k`` and keeps the other half. On that
@@ -269,10 +269,15 @@ class _Ranks:
     def __init__(self, comms: Sequence[Communicator]):
         self.comms = list(comms)
         index = {comm.rank: i for i, comm in enumerate(self.comms)}
-        self._index = index if len(index) == len(self.comms) else {}  # several trees: no direct exchange
+        # Repeated ranks: one rank each of several trees (the cross-worker scope), never direct.
+        self._index = index if len(index) == len(self.comms) else {}
 
     def _direct(self, i: int, members: tuple[int, ...]) -> bool:
-        return all(m in self._index for m in members) and self.comms[i].direct(members)
+        """Whether every member is built here and every member's communicator
+        allows a direct exchange (so all of them take the same path)."""
+        if not all(m in self._index for m in members):
+            return False
+        return all(self.comms[self._index[m]].direct(members) for m in members)
 
     def _inputs_of(self, inputs: dict, members: tuple[int, ...]) -> list:
         return [inputs[self._index[m]][0] for m in members]
@@ -284,12 +289,12 @@ class _Ranks:
         for i, (x, partner) in inputs.items():
             comm = self.comms[i]
             pair = tuple(sorted((comm.rank, partner)))
-            if self._direct(i, pair):
-                row = pair.index(comm.rank)
-                rows = [member_x[row] for member_x in self._inputs_of(inputs, pair)]
-            else:
-                rows = comm.swap_halves(x, partner)
             with tf.device(comm.device):
+                if self._direct(i, pair):
+                    row = pair.index(comm.rank)
+                    rows = [member_x[row] for member_x in self._inputs_of(inputs, pair)]
+                else:
+                    rows = comm.swap_halves(x, partner)
                 out[i] = (rows[0], rows[1])
         return out
 
@@ -298,22 +303,22 @@ class _Ranks:
         for i, (x, partner) in inputs.items():
             comm = self.comms[i]
             pair = tuple(sorted((comm.rank, partner)))
-            if self._direct(i, pair):
-                with tf.device(comm.device):
+            with tf.device(comm.device):
+                if self._direct(i, pair):
                     out[i] = tf.concat(self._inputs_of(inputs, pair), axis=0)
-            else:
-                out[i] = comm.gather_pair(x, partner)
+                else:
+                    out[i] = comm.gather_pair(x, partner)
         return out
 
     def sum_float64(self, inputs: dict[int, tuple[tf.Tensor, tuple[int, ...]]]) -> dict[int, tf.Tensor]:
         out = {}
         for i, (x, members) in inputs.items():
             comm = self.comms[i]
-            if self._direct(i, members):
-                with tf.device(comm.device):
+            with tf.device(comm.device):
+                if self._direct(i, members):
                     out[i] = _pairwise_sum(self._inputs_of(inputs, members))
-            else:
-                out[i] = comm.sum_float64(x, members)
+                else:
+                    out[i] = comm.sum_float64(x, members)
         return out
 
     def transfer(
@@ -325,20 +330,23 @@ class _Ranks:
         sent, received = {}, {}
         for i, (x, peer) in sends.items():
             comm = self.comms[i]
-            sent[i] = x if self._direct(i, tuple(sorted((comm.rank, peer)))) else comm.send(x, peer)
+            with tf.device(comm.device):
+                sent[i] = x if self._direct(i, tuple(sorted((comm.rank, peer)))) else comm.send(x, peer)
         for i, (peer, like) in recvs.items():
             comm = self.comms[i]
             if self._direct(i, tuple(sorted((comm.rank, peer)))):
                 received[i] = sends[self._index[peer]][0]
             else:
-                received[i] = comm.recv(peer, like=like)
+                with tf.device(comm.device):
+                    received[i] = comm.recv(peer, like=like)
         return sent, received
 
 
 def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
     """The sum of `values` as recursive doubling adds them (neighbours first,
     in list order: (v0 + v1) + (v2 + v3) for four), so every rank computing
-    it gets the bits of `Communicator.sum_float64` over the same members.
+    it gets the same bits, those of `TFCollectiveCommunicator.sum_float64`
+    over the same (power-of-two) members.
     Each addition of two is a `tf.reduce_sum` over a pair of rows, not an
     ``Add``: Grappler's arithmetic optimizer may merge a tree of ``Add`` ops
     into one ``AddN`` and order its inputs differently in two ranks' graphs
@@ -365,7 +373,8 @@ def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rul
         partials = {**partials, **ranks.sum_float64(shared)}
         for i, p in partials.items():
             if records[i] is not None:
-                records[i](level, p)
+                with tf.device(comms[i].device):
+                    records[i](level, p)
     out = {}
     for i, (a, b) in pairs.items():
         with tf.device(comms[i].device):
@@ -385,8 +394,9 @@ def allreduce(
     the communicators of the ranks it holds and their buffers.
 
     Args:
-      comms: this process's ranks' communicators (one or more; of one tree,
-        or one each of several trees of the same size).
+      comms: this process's ranks' communicators: several ranks of one tree,
+        or one rank each of several trees of the same size (then all with the
+        same rank, as in the hierarchical cross-worker scope).
       flats: each rank's buffer, as made by `pack`.
       bucket: the buffers' layout (identical on every rank).
       rule: the pair rule, e.g. Adasum.

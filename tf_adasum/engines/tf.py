@@ -2,8 +2,9 @@
 
 One process with several devices (`MirroredStrategy`), or the worker processes
 of a `MultiWorkerMirroredStrategy` (the same ops over gRPC). Each local
-replica builds its part of the vector-halving tree with its own
-`tf_adasum.comm.collective.TFCollectiveCommunicator`.
+replica has its own `tf_adasum.comm.collective.TFCollectiveCommunicator`;
+the vector-halving tree of all of them is built at once, and between the
+CPUs of this process its exchanges are direct (no collective).
 """
 
 from __future__ import annotations
