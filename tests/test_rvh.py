@@ -208,6 +208,20 @@ def test_sum_float64_over_members(members, rng):
     np.testing.assert_allclose(sums[0], values[list(members)].sum(0), rtol=1e-14)
 
 
+def _adasum_with_partials(comms, per_rank):
+    """A traced Adasum combine of `per_rank` (per rank, a list of arrays) over
+    `comms`, returning per rank its outputs, and the per-rank partials."""
+    n, count = len(comms), len(per_rank[0])
+
+    @tf.function(autograph=False)
+    def run():
+        values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(count)]
+        outputs, partials = combine_with_communicators(values, comms, combiners.Adasum())
+        return [[value[r] for value in outputs] for r in range(n)], list(partials)
+
+    return run
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
 def test_direct_exchange_within_a_process_gives_the_collectives_bits(n, rng):
     sizes = [5000, 24, 300] + [7] * 12  # many tensors: many partial-sum rows
@@ -215,14 +229,7 @@ def test_direct_exchange_within_a_process_gives_the_collectives_bits(n, rng):
 
     def build(direct):
         comms = [TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, direct=direct) for r in range(n)]
-
-        @tf.function(autograph=False)
-        def run():
-            values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
-            outputs, partials = combine_with_communicators(values, comms, combiners.Adasum())
-            return [[value[r] for value in outputs] for r in range(n)], list(partials)
-
-        return run
+        return _adasum_with_partials(comms, per_rank)
 
     direct, collectives = build(True), build(False)
     assert not [t for t in _graph_op_types(direct) if t.startswith("Collective")]
@@ -274,14 +281,7 @@ def test_mixed_trees_give_the_collectives_bits(n, block, rng):
 
     def build(wrap):
         comms = [wrap(TFCollectiveCommunicator(_devices(n), r, TEST_TIMEOUT_SECONDS, direct=False)) for r in range(n)]
-
-        @tf.function(autograph=False)
-        def run():
-            values = [tuple(tf.constant(per_rank[r][t]) for r in range(n)) for t in range(len(sizes))]
-            outputs, partials = combine_with_communicators(values, comms, combiners.Adasum())
-            return [[value[r] for value in outputs] for r in range(n)], list(partials)
-
-        return run
+        return _adasum_with_partials(comms, per_rank)
 
     mixed, collectives = build(lambda c: DirectWithin(c, block)), build(lambda c: c)
     graph = mixed.get_concrete_function().graph

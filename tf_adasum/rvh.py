@@ -282,44 +282,47 @@ class _Ranks:
     def _inputs_of(self, inputs: dict, members: tuple[int, ...]) -> list:
         return [inputs[self._index[m]][0] for m in members]
 
+    def _each(self, inputs: dict, members_of, direct, exchange) -> dict:
+        """``{i: direct(i, members) or exchange(comm, x, arg)}`` over
+        ``inputs = {i: (x, arg)}``, each on its rank's device; `members_of`
+        gives the sorted members of rank i's exchange from (rank, arg)."""
+        out = {}
+        for i, (x, arg) in inputs.items():
+            comm = self.comms[i]
+            members = members_of(comm.rank, arg)
+            with tf.device(comm.device):
+                out[i] = direct(i, members) if self._direct(i, members) else exchange(comm, x, arg)
+        return out
+
     def swap_halves(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
         """Per rank ``(a, b)``: what the lower and the upper member of its pair
         send it (rows of the ``[2, m]`` inputs; views, not copies, on CPUs)."""
-        out = {}
-        for i, (x, partner) in inputs.items():
-            comm = self.comms[i]
-            pair = tuple(sorted((comm.rank, partner)))
-            with tf.device(comm.device):
-                if self._direct(i, pair):
-                    row = pair.index(comm.rank)
-                    rows = [member_x[row] for member_x in self._inputs_of(inputs, pair)]
-                else:
-                    rows = comm.swap_halves(x, partner)
-                out[i] = (rows[0], rows[1])
-        return out
+
+        def direct(i, pair):
+            row = pair.index(self.comms[i].rank)
+            return tuple(member_x[row] for member_x in self._inputs_of(inputs, pair))
+
+        def exchange(comm, x, partner):
+            rows = comm.swap_halves(x, partner)
+            return rows[0], rows[1]
+
+        return self._each(inputs, _pair, direct, exchange)
 
     def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
-        out = {}
-        for i, (x, partner) in inputs.items():
-            comm = self.comms[i]
-            pair = tuple(sorted((comm.rank, partner)))
-            with tf.device(comm.device):
-                if self._direct(i, pair):
-                    out[i] = tf.concat(self._inputs_of(inputs, pair), axis=0)
-                else:
-                    out[i] = comm.gather_pair(x, partner)
-        return out
+        return self._each(
+            inputs,
+            _pair,
+            lambda i, pair: tf.concat(self._inputs_of(inputs, pair), axis=0),
+            lambda comm, x, partner: comm.gather_pair(x, partner),
+        )
 
     def sum_float64(self, inputs: dict[int, tuple[tf.Tensor, tuple[int, ...]]]) -> dict[int, tf.Tensor]:
-        out = {}
-        for i, (x, members) in inputs.items():
-            comm = self.comms[i]
-            with tf.device(comm.device):
-                if self._direct(i, members):
-                    out[i] = _pairwise_sum(self._inputs_of(inputs, members))
-                else:
-                    out[i] = comm.sum_float64(x, members)
-        return out
+        return self._each(
+            inputs,
+            lambda rank, members: members,
+            lambda i, members: _pairwise_sum(self._inputs_of(inputs, members)),
+            lambda comm, x, members: comm.sum_float64(x, members),
+        )
 
     def transfer(
         self, sends: dict[int, tuple[tf.Tensor, int]], recvs: dict[int, tuple[int, tf.Tensor]]
@@ -327,19 +330,18 @@ class _Ranks:
         """Each rank in `sends` sends ``x`` to its peer, each in `recvs` receives
         a tensor like ``like`` from its peer; returns (the sent tensors, once
         sent; the received ones)."""
-        sent, received = {}, {}
-        for i, (x, peer) in sends.items():
-            comm = self.comms[i]
-            with tf.device(comm.device):
-                sent[i] = x if self._direct(i, tuple(sorted((comm.rank, peer)))) else comm.send(x, peer)
-        for i, (peer, like) in recvs.items():
-            comm = self.comms[i]
-            if self._direct(i, tuple(sorted((comm.rank, peer)))):
-                received[i] = sends[self._index[peer]][0]
-            else:
-                with tf.device(comm.device):
-                    received[i] = comm.recv(peer, like=like)
+        sent = self._each(sends, _pair, lambda i, pair: sends[i][0], lambda comm, x, peer: comm.send(x, peer))
+        received = self._each(
+            {i: (like, peer) for i, (peer, like) in recvs.items()},
+            _pair,
+            lambda i, pair: sends[self._index[recvs[i][0]]][0],  # what the peer sends
+            lambda comm, like, peer: comm.recv(peer, like=like),
+        )
         return sent, received
+
+
+def _pair(rank: int, peer: int) -> tuple[int, int]:
+    return (rank, peer) if rank < peer else (peer, rank)
 
 
 def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
