@@ -159,6 +159,16 @@ def _joined(pieces: list[tf.Tensor], axis: int) -> tf.Tensor:
     return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis)
 
 
+def _process_of(device: str) -> tuple:
+    """The process a device belongs to: its (job, replica, task)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job, spec.replica, spec.task
+
+
+def _is_cpu(device: str) -> bool:
+    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+
+
 def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
     """Allocates the group keys of `rank_groups` (ranks index `devices`) in order."""
     for group in rank_groups:
@@ -219,13 +229,8 @@ class TFCollectiveCommunicator:
         (twice, for an all-to-all: its own row too) through a rendezvous."""
         if not self._direct:
             return False
-        mine = tf.DeviceSpec.from_string(self.device)
-        for member in members:
-            spec = tf.DeviceSpec.from_string(self.devices[member])
-            same_process = (spec.job, spec.replica, spec.task) == (mine.job, mine.replica, mine.task)
-            if not same_process or (spec.device_type or "CPU").upper() != "CPU":
-                return False
-        return True
+        mine = _process_of(self.device)
+        return all(_process_of(self.devices[m]) == mine and _is_cpu(self.devices[m]) for m in members)
 
     def _next_timeout(self) -> float:
         return self._timeout if self._last is None else 0.0
@@ -262,9 +267,8 @@ class TFCollectiveCommunicator:
         """The largest pairwise message to `partner`, 0 for no limit."""
         if self._max_message_bytes is not None:
             return self._max_message_bytes
-        mine, theirs = (tf.DeviceSpec.from_string(self.devices[r]) for r in (self.rank, partner))
-        remote = (mine.job, mine.replica, mine.task) != (theirs.job, theirs.replica, theirs.task)
-        cpus = {(spec.device_type or "CPU").upper() for spec in (mine, theirs)} == {"CPU"}
+        remote = _process_of(self.device) != _process_of(self.devices[partner])
+        cpus = _is_cpu(self.device) and _is_cpu(self.devices[partner])
         return REMOTE_MESSAGE_BYTES if remote and cpus else 0
 
     def _pairwise(self, pieces: list[tf.Tensor], partner: int, collective, assemble) -> tf.Tensor:
