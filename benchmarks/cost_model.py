@@ -12,20 +12,23 @@ r = N - 2^p ranks folded):
 
 a: the latency of one message; each of the p halving and p gathering levels
 sends one, and level k (from 0) sums its float64 partials over the 2^(k+1)
-ranks of its two subtrees: TF's CollectiveReduceV2 runs a ring on CPUs, 2
-(2^(k+1) - 1) messages, so L(p) = sum_k 2 (2^(k+1) - 1) = 2 (2^(p+1) - 2 - p),
-about 4 N (with a recursive-doubling sum, as MPI's Allreduce, it would be
-sum_k (k + 1) = p (p + 1) / 2). b: seconds per byte on the wire.
+ranks of its two subtrees by recursive doubling (k + 1 pairwise exchanges,
+`TFCollectiveCommunicator.sum_float64`, as MPI's Allreduce does for small
+messages), so L(p) = sum_k (k + 1) = p (p + 1) / 2. (Before 2026-12-02 they
+were a ring CollectiveReduceV2, 2 (2^(k+1) - 1) messages a level, about 4 N
+in all.) b: seconds per byte on the wire.
 g: the combine's arithmetic (float64 dots and scaled sum) per byte of the
 buffer, h: the sum's. c(N) = max(1, N / cores) when N replicas share a
 machine's cores (every byte moved or combined then competes for the same
 memory and cores), else 1.
 
 Both move 2 S (N - 1) / N bytes for N = 2^p (a fold costs two whole-buffer
-transfers more); the tree's latency, dominated by its ring-summed partials,
-grows as about 4 N against the ring all-reduce's 2 N (log^2 N with a
-recursive-doubling partial sum). A compressed wire (`--compression`) would
-halve b's bytes; the model leaves it out.
+transfers more); the tree's latency grows as 2 log2 N + log2^2 N / 2 messages
+against the ring all-reduce's 2 (N - 1). Within one process on CPUs the tree
+exchanges nothing through collectives (a replica reads its partner's half in
+place), so points of the local engine fit a per-message cost that is mostly
+dispatch, not a wire. A compressed wire (`--compression`) would halve b's
+bytes; the model leaves it out.
 
 Usage:
   python benchmarks/cost_model.py RECORDS.jsonl [--cores 2] [--plot out.png]
@@ -59,7 +62,7 @@ def tree_terms(n: int, size: float, cores: int | None) -> np.ndarray:
     folded = n - (1 << p)
     c = contention(n, cores)
     moved = 1.0 - 2.0**-p
-    a = 2 * p + 2 * ((1 << (p + 1)) - 2 - p) + (2 if folded else 0)
+    a = 2 * p + p * (p + 1) // 2 + (2 if folded else 0)
     b = c * (2 * size * moved + (2 * size if folded else 0))
     g = c * (size * moved + (size if folded else 0))
     return np.array([a, b, g, 0.0])

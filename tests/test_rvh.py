@@ -1,5 +1,8 @@
 """The vector-halving driver: bucket layout, rank groups, and bytes on the wire."""
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -73,24 +76,30 @@ class CountingCommunicator:
         self.payload_bytes = 0
         self.full_sends = 0
         self.sums = []
+        self.messages = 0  # sequential exchanges this rank waits on (a recursive-doubling sum: one per step)
 
     def swap_halves(self, x, partner):
         self.payload_bytes += x.shape[1] * x.dtype.size  # one of the two rows leaves
+        self.messages += 1
         return self.inner.swap_halves(x, partner)
 
     def gather_pair(self, x, partner):
         self.payload_bytes += x.shape.num_elements() * x.dtype.size
+        self.messages += 1
         return self.inner.gather_pair(x, partner)
 
     def sum_float64(self, x, members):
         self.sums.append((tuple(x.shape), x.dtype, members))
+        self.messages += len(members).bit_length() - 1  # the tree's groups are powers of two
         return self.inner.sum_float64(x, members)
 
     def send(self, x, peer):
         self.full_sends += 1
+        self.messages += 1
         return self.inner.send(x, peer)
 
     def recv(self, peer, like):
+        self.messages += 1
         return self.inner.recv(peer, like)
 
     def direct(self, members):
@@ -135,6 +144,21 @@ def test_fold_adds_one_full_buffer_each_way(rng):
     # The tree of 2 leaves: a 2-block buffer; each rank swaps 1 block and gathers 1 block.
     assert comms[0].full_sends == 1 and comms[0].payload_bytes == comms[2].payload_bytes == 2 * BLOCK * 4
     assert comms[2].full_sends == 0
+
+
+def _cost_model():
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "cost_model.py")
+    spec = importlib.util.spec_from_file_location("cost_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+def test_cost_model_counts_the_messages_the_tree_sends(n, rng):
+    comms = _run_counting(n, [300], rng)
+    latency, *_ = _cost_model().tree_terms(n, 1.0, cores=None)
+    assert max(comm.messages for comm in comms) == latency
 
 
 def test_make_buckets_leaves_large_unpadded_tensors_unfused():
