@@ -233,8 +233,10 @@ def _workers_worker(args):
     is_chief = strategy.cluster_resolver.task_id == 0
     _bench_strategy("workers", strategy, tf_adasum.AdasumCrossDeviceOps(), args, args.process_repeats, 0.0, is_chief)
     # A worker finishes a collective once it has its own result, while a peer
-    # may still be pulling this worker's last buffer: leave only after every
-    # worker has finished (a tiny all-reduce) and the last pulls have drained.
+    # may still be pulling this worker's last buffer. Every worker enters the
+    # tiny all-reduce only after its earlier collectives, pulls included, are
+    # done; the second's wait (a guess, ample on localhost) covers the pulls
+    # of the all-reduce itself.
     strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
     time.sleep(1.0)
     os._exit(0)  # skip TF's teardown, which can wait on peers that already left
