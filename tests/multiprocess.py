@@ -20,7 +20,7 @@ WORKER = os.path.join(TESTS, "workers", "distributed_worker.py")
 
 
 def load_worker(path: str):
-    """A worker script as a module, for its constants and input generators."""
+    """A script (a worker, a benchmark) as a module, for its constants and functions."""
     name = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)

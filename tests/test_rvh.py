@@ -1,12 +1,12 @@
 """The vector-halving driver: bucket layout, rank groups, and bytes on the wire."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TEST_TIMEOUT_SECONDS, TOLERANCE, relative_error
+from multiprocess import TESTS, load_worker
 
 from tf_adasum import combiners, reference, rvh
 from tf_adasum.comm.collective import TFCollectiveCommunicator
@@ -147,19 +147,12 @@ def test_fold_adds_one_full_buffer_each_way(rng):
     assert comms[2].full_sends == 0
 
 
-def _cost_model():
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "cost_model.py")
-    spec = importlib.util.spec_from_file_location("cost_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
 def test_cost_model_counts_the_messages_the_tree_sends(n, rng):
     comms = _run_counting(n, [300], rng)
-    latency, *_ = _cost_model().tree_terms(n, 1.0, cores=None)
-    folded = n - (1 << (n.bit_length() - 1))
+    cost_model = load_worker(os.path.join(TESTS, os.pardir, "benchmarks", "cost_model.py"))
+    latency, *_ = cost_model.tree_terms(n, 1.0, cores=None)
+    _, folded = reference.tree_shape(n)
     # A folded rank sends its buffer and receives the result; its partner pays
     # those two messages on top of the tree's; every other rank pays the tree's.
     tree_only = latency - 2 if folded else latency
