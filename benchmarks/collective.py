@@ -46,10 +46,16 @@ already keeps its allocator, whatever ``cpu_allocator`` then says.)
 Times are medians over repeats of one call each, the methods called in turn
 within each repeat (TF paths inside a tf.function traced beforehand; MPI ranks
 start each call together after a barrier, worker processes meet in the
-collectives themselves).
+collectives themselves). Process engines first run ``--process-warmup`` untimed
+rounds (default 20): between worker processes the first rounds are slow, for
+Adasum more than for the native all-reduce (on 2026-12-03, workers, N = 4,
+16 MiB, one worker's calls: Adasum 112-210 ms in the first 13 rounds, mostly
+80-120 after; the native 81-151, then 61-97), and a training run, thousands of
+steps long, lives in the steady state after them.
 
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
-       [--sizes 4096 ...] [--dtype float32] [--compression float16] [--cpu-allocator bfc]
+       [--sizes 4096 ...] [--dtype float32] [--process-repeats 20] [--process-warmup 20]
+       [--compression float16] [--cpu-allocator bfc]
 """
 
 from __future__ import annotations
@@ -78,6 +84,12 @@ def _parse_args(argv=None):
     parser.add_argument("--min-seconds", type=float, default=1.0, help="keep repeating until this much time")
     parser.add_argument(
         "--process-repeats", type=int, default=20, help="timed calls per measurement with workers or MPI ranks"
+    )
+    parser.add_argument(
+        "--process-warmup",
+        type=int,
+        default=20,
+        help="untimed rounds before the timed ones with workers or MPI ranks (see the module docstring)",
     )
     parser.add_argument("--compression", choices=["float16", "bfloat16"], help="also time Adasum with this wire format")
     parser.add_argument(
@@ -130,6 +142,8 @@ def _forwarded_args(args):
         args.dtype,
         "--process-repeats",
         str(args.process_repeats),
+        "--process-warmup",
+        str(args.process_warmup),
         "--cpu-allocator",
         args.cpu_allocator,
     ]
@@ -231,7 +245,16 @@ def _workers_worker(args):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     # Fixed repeat counts: every worker must issue the same collectives.
     is_chief = strategy.cluster_resolver.task_id == 0
-    _bench_strategy("workers", strategy, tf_adasum.AdasumCrossDeviceOps(), args, args.process_repeats, 0.0, is_chief)
+    _bench_strategy(
+        "workers",
+        strategy,
+        tf_adasum.AdasumCrossDeviceOps(),
+        args,
+        args.process_repeats,
+        0.0,
+        is_chief,
+        args.process_warmup,
+    )
     # A worker finishes a collective once it has its own result, while a peer
     # may still be pulling this worker's last buffer. Every worker enters the
     # tiny all-reduce only after its earlier collectives, pulls included, are
@@ -242,20 +265,25 @@ def _workers_worker(args):
     os._exit(0)  # skip TF's teardown, which can wait on peers that already left
 
 
-def _interleaved_medians_ms(calls, repeats, min_seconds=0.0, barrier=None):
+def _interleaved_medians_ms(calls, repeats, min_seconds=0.0, barrier=None, warmup=1):
     """Median ms of each of `calls` (functions of no argument), called in turn
     within each round, for at least `repeats` rounds and, up to 50, until
     `min_seconds` have passed (process engines pass 0: every process must
     issue the same collectives); `barrier`, if given, runs before each call.
+    Each call is traced and run once, then `warmup` untimed rounds run.
 
     Interleaving gives every method the same machine: a slowdown mid-run
     slows them all, and every method sees the same allocator state (the first
     large buffers a process frees raise glibc's mmap threshold, and a method
     timed alone before that pays page faults on every fresh output, about 3x
     at 16 MiB here, that the others do not)."""
-    for call in calls:  # trace and warm up
+    for call in calls:  # trace
         _wait(call())
-        _wait(call())
+    for _ in range(warmup):
+        for call in calls:
+            if barrier is not None:
+                barrier()
+            _wait(call())
     times = [[] for _ in calls]
     start = time.perf_counter()
     while len(times[0]) < repeats or (time.perf_counter() - start < min_seconds and len(times[0]) < 50):
@@ -309,7 +337,7 @@ def _mpi_rank(args):
         dots = tf.function(lambda _, pairs=pairs: _dots(pairs))
         fns = (adasum, native, rvh_sum, native_tf, dots)
         calls = [lambda fn=fn, value=value: fn(value) for fn in fns]
-        times = _interleaved_medians_ms(calls, args.process_repeats, barrier=comm.Barrier)
+        times = _interleaved_medians_ms(calls, args.process_repeats, barrier=comm.Barrier, warmup=args.process_warmup)
         if comm.rank == 0:
             record = _with_floor(_record("mpi", comm.size, dtype, elements, *times[:3]), times[4])
             record["native_tf_ms"] = round(times[3], 3)
@@ -330,7 +358,7 @@ def _bench_replicas(n, args):
     _bench_strategy("local", strategy, cross_device_ops, args, args.repeats, args.min_seconds, True)
 
 
-def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report):
+def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report, warmup=1):
     """Times Adasum, the strategy's native SUM all-reduce and the plain-sum
     collective for each size; prints the record when `report`."""
     import tf_adasum
@@ -359,7 +387,7 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
             calls.append(lambda dots=dots, pairs=pairs: dots(pairs))
             if args.compression:
                 calls.append(lambda value=value: compressed(value))
-            times = _interleaved_medians_ms(calls, repeats, min_seconds)
+            times = _interleaved_medians_ms(calls, repeats, min_seconds, warmup=warmup)
             if report:
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 _with_compressed(record, args.compression, times[-1])
