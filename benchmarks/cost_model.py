@@ -5,10 +5,10 @@ N = 1024.
 Per rank, for N ranks and an S-byte buffer (2^p the largest power of two <= N,
 r = N - 2^p ranks folded):
 
-  Adasum tree  T = F + 2 p a + a L(p) + c(N) [2 b S (1 - 2^-p) + g S (1 - 2^-p)]
-               F = r > 0 ? 2 a + c(N) (2 b S + g S) : 0     (the fold: a send each
-                   way of the whole buffer and one combine of it)
-  ring         R = 2 (N - 1) a + c(N) [2 b S (N - 1) / N + h S (N - 1) / N]
+  Adasum tree  T = F + 2 p a + a L(p) + c(N) u S (1 - 2^-p)
+               F = r > 0 ? 2 a + c(N) u S : 0     (the fold: a send each way of
+                   the whole buffer and one combine of it)
+  ring         R = 2 (N - 1) a' + c(N) u' S (N - 1) / N
 
 a: the latency of one message; each of the p halving and p gathering levels
 sends one, and level k (from 0) sums its float64 partials over the 2^(k+1)
@@ -16,9 +16,15 @@ ranks of its two subtrees by recursive doubling (k + 1 pairwise exchanges,
 `TFCollectiveCommunicator.sum_float64`, as MPI's Allreduce does for small
 messages), so L(p) = sum_k (k + 1) = p (p + 1) / 2. (Before 2026-12-02 they
 were a ring CollectiveReduceV2, 2 (2^(k+1) - 1) messages a level, about 4 N
-in all.) b: seconds per byte on the wire.
-g: the combine's arithmetic (float64 dots and scaled sum) per byte of the
-buffer, h: the sum's. c(N) = max(1, N / cores) when N replicas share a
+in all.) u: seconds per byte of the slices a level halves, for moving them
+(sent and received: twice the bytes) and combining them (float64 dots and
+scaled sum): within one transport the bytes moved and the bytes combined
+grow together, so the wire and the arithmetic cannot be told apart by
+these timings and are fitted as one. u': the same for the ring (its sends
+and its adds). The tree's transport and the ring's have parameters of their
+own (a, u against a', u'): between CPU worker processes the tree's messages
+travel over tf_adasum's own sockets (`tf_adasum.comm.sockets`), the ring's
+over TensorFlow's gRPC. c(N) = max(1, N / cores) when N replicas share a
 machine's cores (every byte moved or combined then competes for the same
 memory and cores), else 1.
 
@@ -27,14 +33,14 @@ transfers more); the tree's latency grows as 2 log2 N + log2^2 N / 2 messages
 against the ring all-reduce's 2 (N - 1). Within one process on CPUs the tree
 exchanges nothing through collectives (a replica reads its partner's half in
 place), so points of the local engine fit a per-message cost that is mostly
-dispatch, not a wire. A compressed wire (`--compression`) would halve b's
-bytes; the model leaves it out.
+dispatch, not a wire. A compressed wire (`--compression`) would halve the
+bytes moved; the model leaves it out.
 
 Usage:
   python benchmarks/cost_model.py RECORDS.jsonl [--cores 2] [--plot out.png]
 
 RECORDS.jsonl: the JSON lines `benchmarks/collective.py` prints (engines local
-and workers). Prints, per engine, the fitted a, b, g, h and each measured point
+and workers). Prints, per engine, the fitted `PARAMS` and each measured point
 against the model, then the model's Adasum/ring ratio for N up to 1024 at 1, 16
 and 64 MiB, as JSON lines.
 """
@@ -56,27 +62,30 @@ def contention(n: int, cores: int | None) -> float:
     return 1.0 if cores is None else max(1.0, n / cores)
 
 
+#: The fitted parameters, in this order.
+PARAMS = ("a", "u", "a_ring", "u_ring")
+
+
 def tree_terms(n: int, size: float, cores: int | None) -> np.ndarray:
-    """Coefficients of (a, b, g, h) in the Adasum tree's time."""
+    """Coefficients of `PARAMS` in the Adasum tree's time."""
     p = int(math.floor(math.log2(n)))
     folded = n - (1 << p)
     c = contention(n, cores)
     moved = 1.0 - 2.0**-p
     a = 2 * p + p * (p + 1) // 2 + (2 if folded else 0)
-    b = c * (2 * size * moved + (2 * size if folded else 0))
-    g = c * (size * moved + (size if folded else 0))
-    return np.array([a, b, g, 0.0])
+    u = c * (size * moved + (size if folded else 0))
+    return np.array([a, u, 0.0, 0.0])
 
 
 def ring_terms(n: int, size: float, cores: int | None) -> np.ndarray:
-    """Coefficients of (a, b, g, h) in the ring all-reduce's time."""
+    """Coefficients of `PARAMS` in the ring all-reduce's time."""
     c = contention(n, cores)
     share = (n - 1) / n
-    return np.array([2 * (n - 1), c * 2 * size * share, 0.0, c * size * share])
+    return np.array([0.0, 0.0, 2 * (n - 1), c * size * share])
 
 
 def fit(records: list[dict], cores: int | None) -> np.ndarray:
-    """Non-negative least squares on relative error: (a, b, g, h) in seconds (per byte)."""
+    """Non-negative least squares on relative error: `PARAMS` in seconds (per byte)."""
     rows, times = [], []
     for r in records:
         for terms, ms in ((tree_terms, r["adasum_ms"]), (ring_terms, r["native_ms"])):
@@ -124,10 +133,10 @@ def main(argv=None):
         cores = args.cores  # workers share the machine's cores too
         params = fit(mine, cores)
         fitted[engine] = params
-        a, b, g, h = params
+        a, u, a_ring, u_ring = params
         print(json.dumps({
-            "engine": engine, "cores": cores, "latency_us": round(a * 1e6, 2), "wire_GBps": _rate(b),
-            "adasum_arith_GBps": _rate(g), "sum_arith_GBps": _rate(h),
+            "engine": engine, "cores": cores, "latency_us": round(a * 1e6, 2), "per_byte_GBps": _rate(u),
+            "ring_latency_us": round(a_ring * 1e6, 2), "ring_per_byte_GBps": _rate(u_ring),
         }))  # fmt: skip
         for r in sorted(mine, key=lambda r: (r["bytes"], r["replicas"])):
             tree, ring = predict(params, r["replicas"], r["bytes"], cores)

@@ -63,6 +63,20 @@ def check_collective(out: str, n: int, compression: str | None = None) -> None:
             assert results[r][f"bits{i}"].tobytes() == results[0][f"bits{i}"].tobytes(), (i, dtype, r)
 
 
+def transport_threads(out: str, n: int) -> list[list[str]]:
+    """Per rank, the names of the socket transport's threads after the
+    collective task (none where TF collective ops or MPI carried it)."""
+    return [list(np.load(os.path.join(out, f"collective_rank{r}.npz"))["transport_threads"]) for r in range(n)]
+
+
+def check_over_sockets(out: str, n: int) -> None:
+    """The collective task crossed processes over the socket transport: a
+    listener on every rank and a reader for each peer it talks to."""
+    for rank, names in enumerate(transport_threads(out, n)):
+        assert "tf_adasum listener" in names, (rank, names)
+        assert any(name.startswith("tf_adasum reader") for name in names), (rank, names)
+
+
 def check_train(out: str, n: int, hierarchical_combine) -> None:
     """Final weights equal the numpy simulation started from rank 0's initial
     weights, on every rank (bitwise identical across ranks)."""

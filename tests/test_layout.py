@@ -21,10 +21,13 @@ LAYERS = {
     "ops": 1,
     "combiners": 2,
     "rvh": 3,
-    "comm.cluster": 3,
+    "comm.cluster": 2.5,  # reads device strings and cluster specs: below every transport
     "comm.collective": 3,
     "comm.compression": 3,
-    "comm.mpi": 3,
+    "comm.ordering": 3,
+    "comm.mpi": 3.5,  # over comm.ordering
+    "comm.sockets": 3.5,  # over comm.ordering
+    "comm.socket_communicator": 3.75,  # over comm.sockets and comm.collective's keys
     "engines.base": 4,
     "engines.mpi_native": 4,
     "engines.tf": 5,

@@ -15,8 +15,10 @@ from multiprocess import (
     check_collective,
     check_diagnostics,
     check_evaluation_engine,
+    check_over_sockets,
     check_train,
     read_reports,
+    transport_threads,
     worker_env,
 )
 
@@ -39,6 +41,7 @@ def _launch(n, tasks, out, timeout=600, **env):
 def test_compressed_collective_across_workers(n, compression, tmp_path):
     _launch(n, "collective", tmp_path, TEST_COMPRESSION=compression)
     check_collective(tmp_path, n, compression)
+    check_over_sockets(tmp_path, n)
 
 
 # N = 2 and 3 across workers: the compressed collective (N = 3: the fold), the
@@ -46,17 +49,32 @@ def test_compressed_collective_across_workers(n, compression, tmp_path):
 # tests; the training check of N = 2 and 3 runs under mpirun.
 @pytest.mark.parametrize("n", [4])
 def test_collective_and_training_across_workers(n, tmp_path):
-    # Messages between workers split into pieces of 1 KiB (several per message).
-    output = _launch(n, "collective,train,diagnostics", tmp_path, TEST_REMOTE_MESSAGE_BYTES="1024")
+    output = _launch(n, "collective,train,diagnostics", tmp_path)
     for index in range(n):
         assert f"[worker {index}] " in output
     check_collective(tmp_path, n)
+    check_over_sockets(tmp_path, n)
     # One device per worker: the hierarchical combine (mean inside a worker,
     # Adasum across workers) is Adasum over the workers.
     check_train(tmp_path, n, hierarchical_combine=reference.adasum_tree)
     initial = [np.load(tmp_path / f"train_rank{r}.npz")["plain_initial_kernel"] for r in range(n)]
     assert all(np.array_equal(i, initial[0]) for i in initial)  # the strategy broadcasts initial values
     check_diagnostics(tmp_path, n)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_collective_over_tf_collective_ops_across_workers(n, tmp_path):
+    # TF_ADASUM_WORKER_TRANSPORT=collective: TF collective ops over gRPC, each
+    # message between workers split into pieces of 1 KiB (several per message);
+    # then the same combine over the socket transport, bitwise the same.
+    env = {"TF_ADASUM_WORKER_TRANSPORT": "collective", "TEST_REMOTE_MESSAGE_BYTES": "1024"}
+    _launch(n, "collective", tmp_path, TEST_ALSO_OVER_SOCKETS="1", **env)
+    check_collective(tmp_path, n)
+    assert transport_threads(tmp_path, n) == [[]] * n  # none before the second combine
+    for r in range(n):
+        results = np.load(tmp_path / f"collective_rank{r}.npz")
+        bits = [k for k in results.files if k.startswith("bits")]
+        assert bits and all(results[k].tobytes() == results[f"socket_{k}"].tobytes() for k in bits), r
 
 
 def test_mismatched_variables_raise_on_every_worker(tmp_path):
@@ -95,8 +113,21 @@ def test_killed_worker_makes_the_others_fail_within_the_timeout(tmp_path):
     report = read_reports(tmp_path, "killed", 1)[0]
     assert report["raised"], report
     assert report["type"] in ("UnavailableError", "DeadlineExceededError"), report
-    assert "unhealthy" in report["message"] or "timed out" in report["message"]
+    # The strategy's heartbeat, a collective's timeout, or (when the combine
+    # is where the others wait) the socket transport's closed connection.
+    assert any(m in report["message"] for m in ("unhealthy", "timed out", "a worker failed or left")), report
     assert report["seconds"] < FAILURE_TIMEOUT + 60
+
+
+def test_killed_worker_fails_a_combine_over_sockets_at_once(tmp_path):
+    workers = _start_cluster(2, "killed_combine", tmp_path, TEST_COLLECTIVE_TIMEOUT=str(FAILURE_TIMEOUT))
+    codes = [w.wait(timeout=300) for w in workers]
+    assert codes == [0, 17], _logs(tmp_path, 2)
+    report = read_reports(tmp_path, "killed_combine", 1)[0]
+    # Raised inside a tf.numpy_function: TensorFlow reports it as UnknownError, with our text.
+    assert report["raised"] and report["type"] == "UnknownError", report
+    assert "tf_adasum socket transport" in report["message"] and "a worker failed or left" in report["message"]
+    assert report["seconds"] < FAILURE_TIMEOUT, report  # the closed connection, not the timeout
 
 
 def test_uneven_step_counts_end_in_an_error(tmp_path):

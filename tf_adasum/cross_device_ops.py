@@ -2,7 +2,8 @@
 
 Plain SUM/MEAN reductions (losses, metrics, Keras' own gradient all-reduce)
 pass untouched to a fallback; `batch_reduce_adasum` (and, for any combiner,
-`batch_reduce_combine`) run the vector-halving collective on TF collective ops.
+`batch_reduce_combine`) run the vector-halving collective on TF collective ops
+(between CPU worker processes, on tf_adasum's own sockets; see `tf_adasum.engines.tf`).
 
 Example:
   >>> strategy = tf.distribute.MirroredStrategy(

@@ -53,9 +53,10 @@ class Communicator(Protocol):
     size: int
     device: str  # where this rank's computation is placed
 
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
         """All-to-all with `partner`: row j of ``x`` ([2, m]) goes to member j;
-        row j of the result is what member j sent to this rank."""
+        returns what member 0 and member 1 sent to this rank (``[m]`` each;
+        this rank's own row may be a view of ``x``)."""
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         """Concatenation of member 0's and member 1's ``x`` (1-D, same length)."""
@@ -302,11 +303,7 @@ class _Ranks:
             row = pair.index(self.comms[i].rank)
             return tuple(member_x[row] for member_x in self._inputs_of(inputs, pair))
 
-        def exchange(comm, x, partner):
-            rows = comm.swap_halves(x, partner)
-            return rows[0], rows[1]
-
-        return self._each(inputs, _pair, direct, exchange)
+        return self._each(inputs, _pair, direct, lambda comm, x, partner: comm.swap_halves(x, partner))
 
     def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
         return self._each(

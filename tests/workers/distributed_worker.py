@@ -14,12 +14,15 @@ simulation, so the oracle lives in the tests):
 * ``diagnostics``: one step with AdasumDiagnostics; each rank's record;
 * ``mismatch``: rank 1 freezes a layer the others train; every rank must raise;
 * ``killed``: rank 1 dies mid-training; the others must fail, not hang;
+* ``killed_combine``: rank 1 dies between two combines over the socket
+  transport; rank 0's second must fail at once, naming the lost worker;
 * ``uneven``: rank 0 has one batch more; its extra step must time out.
 """
 
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -119,8 +122,16 @@ def run_collective(engine, out):
     inputs = collective_inputs(engine.rank)
     tensors = [tf.cast(tf.constant(x), dtype) for x, dtype in zip(inputs, tensor_dtypes())]
     combined = engine.combine(tensors)
+    # What carried it between processes: the socket transport's threads, if any.
+    transport_threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("tf_adasum "))
+    also = {}
+    if os.environ.get("TEST_ALSO_OVER_SOCKETS"):  # the same combine again, over the socket transport
+        os.environ["TF_ADASUM_WORKER_TRANSPORT"] = "sockets"
+        also = {f"socket_bits{i}": c.view(np.uint8) for i, c in enumerate(engine.combine(tensors))}
     np.savez(
         os.path.join(out, f"collective_rank{engine.rank}.npz"),
+        transport_threads=np.array(transport_threads, dtype=str),
+        **also,
         **{f"bits{i}": c.view(np.uint8) for i, c in enumerate(combined)},
         **{f"value{i}": c.astype(np.float64) for i, c in enumerate(combined)},
     )
@@ -200,6 +211,14 @@ def run_killed(engine, out):
     _report(out, "killed", engine.rank, lambda: engine.fit(model, x, y, steps, epochs=50, callbacks=callbacks))
 
 
+def run_killed_combine(engine, out):
+    tensors = [tf.constant(np.arange(1000, dtype=np.float32) + engine.rank)]
+    engine.combine(tensors)  # sets up the socket mesh and its connections
+    if engine.rank == 1:
+        os._exit(17)
+    _report(out, "killed_combine", engine.rank, lambda: engine.combine(tensors))
+
+
 def run_uneven(engine, out):
     """Rank 0 has one batch more than the others: its extra step must time out."""
     steps = TRAIN_STEPS + (engine.rank == 0)
@@ -233,6 +252,7 @@ TASKS = {
     "diagnostics": run_diagnostics,
     "mismatch": run_mismatch,
     "killed": run_killed,
+    "killed_combine": run_killed_combine,
     "uneven": run_uneven,
 }
 

@@ -6,6 +6,8 @@
   strategy itself assumes).
 * `cluster_devices`: every replica's device in global replica order, and the
   ranks of this process's replicas.
+* `task_hosts`: the host of every worker, in the same order.
+* `process_of`, `is_cpu`: what a device string says of its process and type.
 
 Only public API: ``num_replicas_in_sync``, ``extended.worker_devices`` and the
 strategy's ``cluster_resolver`` (its cluster spec, task type and task id).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["cluster_devices", "num_workers", "task_index"]
+__all__ = ["cluster_devices", "is_cpu", "num_workers", "process_of", "task_hosts", "task_index"]
 
 #: The task types that hold replicas, in the strategy's replica order.
 _REPLICA_JOBS = ("chief", "worker")
@@ -32,6 +34,17 @@ def _local_devices(strategy) -> tuple[str, ...]:
         except RuntimeError:  # the default strategy: "worker_devices() method unsupported"
             return (_DEFAULT_DEVICE,)
     return tuple(strategy.extended.worker_devices)
+
+
+def process_of(device: str) -> tuple:
+    """The process a device belongs to: its (job, replica, task)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job, spec.replica, spec.task
+
+
+def is_cpu(device: str) -> bool:
+    """Whether `device` is a CPU (a device string without a type counts as one)."""
+    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
 
 
 def num_workers(strategy) -> int:
@@ -60,6 +73,17 @@ def _tasks(strategy) -> list[tuple[str, int]]:
         indices = sorted(members) if isinstance(members, dict) else range(len(members))
         tasks += [(job, int(i)) for i in indices]
     return tasks
+
+
+def task_hosts(strategy) -> list[str]:
+    """The host of every worker (chief first, then workers by index), from the
+    cluster spec's ``host:port`` addresses."""
+    spec = strategy.cluster_resolver.cluster_spec()
+    hosts = []
+    for job, task in _tasks(strategy):
+        host = spec.task_address(job, task).rsplit(":", 1)[0]
+        hosts.append(host[1:-1] if host.startswith("[") else host)
+    return hosts
 
 
 def task_index(strategy) -> int:

@@ -5,9 +5,11 @@ Pairwise steps are ``CollectiveAllToAllV2`` (phase 1) and ``CollectiveGatherV2``
 concurrent pieces; per-level partial sums are float64 and summed by recursive
 doubling over the same pairs (log2 of the subgroup's size pairwise gathers);
 the non-power-of-two fold uses ``CollectiveBcastSendV2``/``CollectiveBcastRecvV2``.
-The same ops serve devices spread over worker processes and the GPUs of one
-process; between the CPUs of one process the driver uses none of them
-(`TFCollectiveCommunicator.direct`) unless told to.
+The same ops serve GPUs and devices spread over worker processes (between
+the CPUs of worker processes the TF engine uses `tf_adasum.comm.sockets`
+instead, unless ``TF_ADASUM_WORKER_TRANSPORT=collective``); between the CPUs
+of one process the driver uses none of them (`TFCollectiveCommunicator.direct`)
+unless told to.
 
 Keys are handed out in one place, `CollectiveKeys`: a group key derived from
 the set of devices, and per (group, device) an instance-key counter, so every member of a
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_utils
+
+from tf_adasum.comm import cluster
 
 __all__ = ["CollectiveKeys", "TFCollectiveCommunicator", "device_sort_key", "register_groups"]
 
@@ -159,16 +163,6 @@ def _joined(pieces: list[tf.Tensor], axis: int) -> tf.Tensor:
     return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis)
 
 
-def _process_of(device: str) -> tuple:
-    """The process a device belongs to: its (job, replica, task)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.job, spec.replica, spec.task
-
-
-def _is_cpu(device: str) -> bool:
-    return (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
-
-
 def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
     """Allocates the group keys of `rank_groups` (ranks index `devices`) in order."""
     for group in rank_groups:
@@ -229,8 +223,8 @@ class TFCollectiveCommunicator:
         (twice, for an all-to-all: its own row too) through a rendezvous."""
         if not self._direct:
             return False
-        mine = _process_of(self.device)
-        return all(_process_of(self.devices[m]) == mine and _is_cpu(self.devices[m]) for m in members)
+        mine = cluster.process_of(self.device)
+        return all(cluster.process_of(self.devices[m]) == mine and cluster.is_cpu(self.devices[m]) for m in members)
 
     def _next_timeout(self) -> float:
         return self._timeout if self._last is None else 0.0
@@ -267,8 +261,8 @@ class TFCollectiveCommunicator:
         """The largest pairwise message to `partner`, 0 for no limit."""
         if self._max_message_bytes is not None:
             return self._max_message_bytes
-        remote = _process_of(self.device) != _process_of(self.devices[partner])
-        cpus = _is_cpu(self.device) and _is_cpu(self.devices[partner])
+        remote = cluster.process_of(self.device) != cluster.process_of(self.devices[partner])
+        cpus = cluster.is_cpu(self.device) and cluster.is_cpu(self.devices[partner])
         return REMOTE_MESSAGE_BYTES if remote and cpus else 0
 
     def _pairwise(self, pieces: list[tf.Tensor], partner: int, collective, assemble) -> tf.Tensor:
@@ -301,7 +295,7 @@ class TFCollectiveCommunicator:
 
         return self._chained(op)
 
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
         reverse = self._slots_reversed(partner)
 
         def swap(piece, group_key, instance_key, token, timeout):
@@ -316,7 +310,9 @@ class TFCollectiveCommunicator:
             out.set_shape(piece.shape)
             return tf.reverse(out, [0]) if reverse else out
 
-        return self._pairwise(self._pieces(x, partner, axis=1), partner, swap, lambda outs: _joined(outs, axis=1))
+        rows = self._pairwise(self._pieces(x, partner, axis=1), partner, swap, lambda outs: _joined(outs, axis=1))
+        with tf.device(self.device):
+            return rows[0], rows[1]
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         reverse = self._slots_reversed(partner)

@@ -126,10 +126,11 @@ class Compressed:
     def _compresses(self, x: tf.Tensor) -> bool:
         return x.dtype in _COMPRESSED_DTYPES
 
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
         if not self._compresses(x):
             return self.comm.swap_halves(x, partner)
-        return _decode(self.comm.swap_halves(_encode(x, self.wire), partner), x.dtype)
+        rows = self.comm.swap_halves(_encode(x, self.wire), partner)
+        return tuple(_decode(row[None], x.dtype)[0] for row in rows)
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         if not self._compresses(x):

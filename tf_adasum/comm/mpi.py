@@ -29,12 +29,12 @@ import shutil
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
+
+from tf_adasum.comm import ordering
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
@@ -262,41 +262,11 @@ def world(announced_size: int = 1) -> World:
 # -- ordering and the numpy_function communicator ---------------------------------
 
 
-class Chain:
-    """Orders a rank's MPI calls: per graph, each depends on the previous one.
-
-    Keyed weakly by the graph and holding only the last call's op name (a
-    tensor would keep its graph alive), so a collected graph is forgotten and
-    a new graph never inherits another's last call.
-    """
+class Chain(ordering.Chain):
+    """`tf_adasum.comm.ordering.Chain` for a rank's MPI calls."""
 
     def __init__(self):
-        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def chain(self, make: Callable[[], tf.Tensor | Sequence[tf.Tensor]]):
-        """Builds ``make()`` after this graph's previous MPI call; returns its output(s)."""
-        if tf.executing_eagerly():
-            return make()
-        graph = tf.compat.v1.get_default_graph()
-        if control_flow_util.GraphOrParentsInXlaContext(graph):
-            raise ValueError(
-                "The MPI engine calls MPI outside XLA, which cannot compile it. Compile the model with "
-                "`jit_compile=False` (Keras turns XLA on by default on a GPU without a strategy). "
-                "Received: a tf_adasum MPI call inside an XLA-compiled function"
-            )
-        with self._lock:
-            last = self._last.get(graph)
-            with tf.control_dependencies([] if last is None else [graph.get_operation_by_name(last)]):
-                out = make()
-            self._last[graph] = tf.nest.flatten(out)[0].op.name
-        return out
-
-    def call(self, fn, inputs: Sequence[tf.Tensor], dtype: tf.DType, shape) -> tf.Tensor:
-        """A chained ``tf.numpy_function(fn, inputs, dtype)`` with the static `shape`."""
-        out = self.chain(lambda: tf.numpy_function(fn, list(inputs), dtype, stateful=True))
-        out.set_shape(shape)
-        return out
+        super().__init__("The MPI engine calls MPI")
 
 
 class MPICommunicator:
@@ -326,16 +296,16 @@ class MPICommunicator:
         ]
         wait(requests, self._timeout, f"{what} with rank {peer}")
 
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
         me = 0 if self.rank < partner else 1
 
         def swap(rows):
-            out = np.empty_like(rows)
-            self._exchange(rows[1 - me], out[1 - me], partner, "swap_halves")
-            out[me] = rows[me]
+            out = np.empty_like(rows[me])
+            self._exchange(rows[1 - me], out, partner, "swap_halves")
             return out
 
-        return self._chain.call(swap, [x], x.dtype, x.shape)
+        received = self._chain.call(swap, [x], x.dtype, x.shape[1:])
+        return (x[0], received) if me == 0 else (received, x[1])
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         me = 0 if self.rank < partner else 1

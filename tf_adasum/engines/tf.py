@@ -1,22 +1,32 @@
 """The TF engine: a tf.distribute strategy's replicas over TF collective ops.
 
 One process with several devices (`MirroredStrategy`), or the worker processes
-of a `MultiWorkerMirroredStrategy` (the same ops over gRPC). Each local
-replica has its own `tf_adasum.comm.collective.TFCollectiveCommunicator`;
-the vector-halving tree of all of them is built at once, and between the
-CPUs of this process its exchanges are direct (no collective).
+of a `MultiWorkerMirroredStrategy`. Each local replica has its own
+communicator; the vector-halving tree of all of them is built at once, and
+between the CPUs of this process its exchanges are direct (no collective).
+
+Between worker processes whose replicas are CPUs, one per process in each
+tree (one CPU per worker, or the cross-worker scope of the hierarchical
+combine), the tree's messages travel over this process's socket mesh
+(`tf_adasum.comm.sockets`, `tf_adasum.comm.socket_communicator`), set up on the first such combine with one tiny
+exchange of listening ports over TF collective ops; elsewhere, and when
+``TF_ADASUM_WORKER_TRANSPORT=collective``, over TF collective ops
+(`tf_adasum.comm.collective.TFCollectiveCommunicator`, gRPC between processes).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum.comm import cluster, collective
+from tf_adasum import rvh
+from tf_adasum.comm import cluster, collective, socket_communicator, sockets
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import (
     Components,
@@ -27,7 +37,30 @@ from tf_adasum.engines.base import (
     small_digests,
 )
 
-__all__ = ["TFEngine", "sum_over_workers"]
+__all__ = ["TFEngine", "sum_over_workers", "worker_transport"]
+
+#: Between the CPUs of worker processes: "sockets" (default) or "collective".
+TRANSPORT_VARIABLE = "TF_ADASUM_WORKER_TRANSPORT"
+_TRANSPORTS = ("sockets", "collective")
+
+_MESHES: dict[tuple, sockets.Mesh] = {}
+_MESHES_LOCK = threading.Lock()
+
+
+def _partners(num_ranks: int, rank: int) -> set[int]:
+    """The ranks `rank` exchanges messages with over the socket transport in
+    the tree of `num_ranks`: its pairs, and whom its partial sums talk to."""
+    groups = [g for g in rvh.groups(num_ranks) if rank in g]  # pairs (a pair's sum is its swap partner) and sums
+    return {m for g in groups for step in socket_communicator.sum_steps(g, rank) for m in step}
+
+
+def worker_transport() -> str:
+    """The transport between the CPUs of worker processes that
+    ``TF_ADASUM_WORKER_TRANSPORT`` asks for: "sockets" (the default) or "collective"."""
+    value = os.environ.get(TRANSPORT_VARIABLE, "") or "sockets"
+    if value not in _TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_VARIABLE} must be one of {_TRANSPORTS}. Received: {TRANSPORT_VARIABLE}={value!r}")
+    return value
 
 
 def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float | None = None) -> list[float]:
@@ -74,7 +107,8 @@ def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float |
 
 
 class TFEngine(Engine):
-    """Replicas on `devices` (global replica order) over TF collective ops.
+    """Replicas on `devices` (global replica order) over TF collective ops, or,
+    between CPU worker processes, over the socket transport (see the module).
 
     Args:
       devices: every replica's device, in global replica order (all processes).
@@ -109,6 +143,7 @@ class TFEngine(Engine):
         self.strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         self._eager_fns: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        self.transport = worker_transport()
 
     @classmethod
     def for_strategy(cls, strategy, options=None, compression=None) -> TFEngine:
@@ -134,9 +169,55 @@ class TFEngine(Engine):
         n, worker = self.local_replicas, self.ranks[0] // self.local_replicas
         return [(tuple(self.devices[w * n + i] for w in range(self.num_workers)), worker) for i in range(n)]
 
+    def _process_of(self, device: str) -> int:
+        """The index of `device`'s process (job, replica, task) among the
+        processes of `devices`, in their order (the workers' order)."""
+        processes = list(dict.fromkeys(cluster.process_of(d) for d in self.devices))
+        return processes.index(cluster.process_of(device))
+
+    def _over_sockets(self, trees) -> bool:
+        """Whether `trees` go over the socket mesh: CPUs only, spread over
+        processes, at most one rank of each tree per process."""
+        if self.transport != "sockets" or len({cluster.process_of(d) for d in self.devices}) == 1:
+            return False
+        return all(cluster.is_cpu(d) for d in self.devices) and all(
+            len({self._process_of(d) for d in tree}) == len(tree) > 1 for tree, _ in trees
+        )
+
+    def _mesh(self) -> sockets.Mesh:
+        """This process's socket mesh for the workers of this engine, made
+        once per process (every worker makes it at the same point: the first
+        combine over sockets), its ports exchanged with `sum_over_workers`."""
+        timeout = float(self.options.timeout_seconds or 0)
+        key = (self.devices, timeout)
+        with _MESHES_LOCK:
+            if key not in _MESHES:
+                listener = sockets.Listener()
+                me, count = self._process_of(self.devices[self.ranks[0]]), self.num_workers
+                mine = [0.0] * (2 * count)
+                mine[2 * me : 2 * me + 2] = [float(listener.port), float(listener.token)]
+                totals = sum_over_workers(self.strategy, mine, timeout)
+                hosts = cluster.task_hosts(self.strategy)
+                addresses = [(hosts[w], int(totals[2 * w])) for w in range(count)]
+                tokens = [int(totals[2 * w + 1]) for w in range(count)]
+                _MESHES[key] = sockets.Mesh(listener, me, addresses, tokens, timeout)
+            return _MESHES[key]
+
     def _build(self, values, combiner, scope):
         timeout = self.options.timeout_seconds
-        comms = [collective.TFCollectiveCommunicator(tree, rank, timeout) for tree, rank in self._trees(scope)]
+        trees = self._trees(scope)
+        if self._over_sockets(trees):
+            mesh = self._mesh()
+            # Every worker builds this combine at the same point: connect now,
+            # so that a peer dying later closes a connection being read.
+            peers = [self._process_of(tree[p]) for tree, rank in trees for p in _partners(len(tree), rank)]
+            mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
+            comms = [
+                socket_communicator.SocketCommunicator(tree, rank, [self._process_of(d) for d in tree], mesh)
+                for tree, rank in trees
+            ]
+        else:
+            comms = [collective.TFCollectiveCommunicator(tree, rank, timeout) for tree, rank in trees]
         comms = compression_lib.compressed(comms, self.compression)
         return combine_with_communicators(values, comms, combiner, self.options.bytes_per_pack)
 
@@ -170,10 +251,18 @@ class TFEngine(Engine):
         if self.num_workers == 1:
             return
         digests = small_digests(variables)
+        # Whether this worker would use the socket transport (on GPUs the setting changes nothing).
+        over_sockets = float(self.transport == "sockets" and all(cluster.is_cpu(d) for d in self.devices))
         totals = sum_over_workers(
-            self.strategy, [1.0] + [x for d in digests for x in (d, d * d)], self.options.timeout_seconds
+            self.strategy, [1.0, over_sockets] + [x for d in digests for x in (d, d * d)], self.options.timeout_seconds
         )
-        if digests_differ(totals[0], totals[1::2], totals[2::2]):
+        if totals[1] not in (0.0, totals[0]):  # one transport on some workers, the other elsewhere: a hang later
+            raise ValueError(
+                f"{TRANSPORT_VARIABLE} must be the same on every worker. Received: {TRANSPORT_VARIABLE}="
+                f"{self.transport!r} on this worker (task {cluster.task_index(self.strategy)}), "
+                f"'sockets' on {totals[1]:g} of {totals[0]:g} workers"
+            )
+        if digests_differ(totals[0], totals[2::2], totals[3::2]):
             raise ValueError(
                 "The trainable variables differ across the workers of the MultiWorkerMirroredStrategy "
                 "(shapes, dtypes or order); every worker must build the same model. This worker "

@@ -1,0 +1,233 @@
+"""The socket mesh between worker processes (`tf_adasum.comm.sockets`), its
+processes played by meshes in this process over loopback. The tree over it,
+against the reference, runs across real worker processes in
+`test_multiworker.py`."""
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_adasum.comm import sockets
+from tf_adasum.engines import tf as tf_engine
+
+
+def _meshes(count, timeout=30.0):
+    listeners = [sockets.Listener() for _ in range(count)]
+    addresses = [("127.0.0.1", listener.port) for listener in listeners]
+    tokens = [listener.token for listener in listeners]
+    return [sockets.Mesh(listener, i, addresses, tokens, timeout) for i, listener in enumerate(listeners)]
+
+
+def _in_threads(*calls):
+    """Runs `calls` at once; returns their results (re-raising the first error)."""
+    results, errors = [None] * len(calls), []
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _started(call):
+    """Starts `call` in a thread; returns a function that waits for its result."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_raised_or_result(call)))
+    thread.start()
+
+    def result():
+        thread.join(60)
+        return box[0]
+
+    return result
+
+
+def _raised_or_result(call):
+    try:
+        return call()
+    except tf.errors.OpError as error:
+        return error
+
+
+def _bytes(rng, n):
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def test_every_pair_exchanges_messages_of_any_size(rng):
+    meshes = _meshes(3)
+    sizes = [0, 1, 1000, 3 << 20]
+    sent = {(a, b, n): _bytes(rng, n) for a in range(3) for b in range(3) if a != b for n in sizes}
+
+    def run(me):
+        got = {}
+        for n in sizes:
+            for peer in range(3):
+                if peer != me:
+                    tag = 1000 * min(me, peer) + 10 * max(me, peer) + sizes.index(n)
+                    got[(peer, me, n)] = meshes[me].exchange(peer, tag, sent[(me, peer, n)], n, "a test").copy()
+        return got
+
+    for got in _in_threads(*(lambda me=me: run(me) for me in range(3))):
+        for key, value in got.items():
+            assert value.tobytes() == sent[key].tobytes(), key
+
+
+def test_messages_match_by_tag_whatever_the_order(rng):
+    first, second = _meshes(2)
+    a, b = _bytes(rng, 100), _bytes(rng, 200)
+    first.exchange(1, 7, a, None, "a test")
+    first.exchange(1, 8, b, None, "a test")
+    time.sleep(0.2)  # both arrive before anyone asks for them
+    assert second.exchange(0, 8, None, 200, "a test").tobytes() == b.tobytes()  # adopted as it came
+    into = np.zeros(100, np.uint8)
+    assert second.exchange(0, 7, None, into, "a test") is into  # copied where asked
+    assert into.tobytes() == a.tobytes()
+    # The k-th message with a tag fills the k-th receive of that tag.
+    for value in (1, 2, 3):
+        first.exchange(1, 9, np.full(4, value, np.uint8), None, "a test")
+    assert [second.exchange(0, 9, None, 4, "a test")[0] for _ in range(3)] == [1, 2, 3]
+
+
+def test_received_buffers_are_aligned_for_tensorflow(rng):
+    first, second = _meshes(2)
+    first.exchange(1, 1, _bytes(rng, 4099), None, "a test")
+    assert second.exchange(0, 1, None, 4099, "a test").ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_message_of_another_size_fails_the_receiver(early, rng):
+    first, second = _meshes(2)
+    if early:
+        first.exchange(1, 5, _bytes(rng, 10), None, "a test")
+        time.sleep(0.2)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="sent 10 bytes where 12 were expected"):
+            second.exchange(0, 5, None, 12, "a test")
+        # The receiver closed the link: the sender's next wait fails too, it does not hang.
+        with pytest.raises(tf.errors.UnavailableError, match="a worker failed or left"):
+            first.exchange(1, 6, None, 4, "a test")
+    else:
+        waiting = _started(lambda: second.exchange(0, 5, None, 12, "a test"))
+        time.sleep(0.2)
+        # The receiver drops the connection on the header: the sender may see
+        # that before its payload has left.
+        sent = _raised_or_result(lambda: first.exchange(1, 5, _bytes(rng, 10), None, "a test"))
+        assert sent is None or isinstance(sent, tf.errors.UnavailableError), sent
+        error = waiting()
+        assert isinstance(error, tf.errors.InvalidArgumentError) and "different programs" in str(error)
+
+
+def test_wait_past_the_timeout_names_the_peer():
+    first, second = _meshes(2, timeout=0.5)
+    first.link(1, None)  # connected, but worker process 0 never sends
+    start = time.monotonic()
+    with pytest.raises(
+        tf.errors.DeadlineExceededError, match=r"gather of rank 1 timed out waiting for worker process 0"
+    ):
+        second.exchange(0, 3, None, 8, "gather of rank 1")
+    assert time.monotonic() - start < 5
+    # A message that comes after the deadline must not fill a later receive: the link stays failed.
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        second.exchange(0, 3, None, 8, "the next gather")
+
+
+def test_a_closed_connection_fails_every_wait_on_it():
+    first, second = _meshes(2)
+    link = first.link(1, None)
+    second.link(0, time.monotonic() + 10)
+    waiting = _started(lambda: second.exchange(0, 4, None, 8, "a test"))
+    time.sleep(0.2)
+    link._fail(tf.errors.UnavailableError(None, None, "closed by the test"))  # as a dying process closes it
+    error = waiting()
+    assert isinstance(error, tf.errors.UnavailableError) and "a worker failed or left" in str(error)
+    with pytest.raises(tf.errors.UnavailableError):
+        second.exchange(0, 5, None, 8, "a test")
+
+
+def test_a_stranger_is_refused_and_the_mesh_works_on(rng):
+    first, second = _meshes(2)
+    stranger = socket.create_connection(second.addresses[1], timeout=10)
+    stranger.sendall(b"tfadasum" + (0).to_bytes(4, "little") + (second._listener.token ^ 1).to_bytes(8, "little"))
+    assert stranger.recv(1) == b""  # closed: wrong token
+    data = _bytes(rng, 64)
+    first.exchange(1, 1, data, None, "a test")
+    assert second.exchange(0, 1, None, 64, "a test").tobytes() == data.tobytes()
+
+
+def test_concurrent_callers_share_one_connection():
+    first, second = _meshes(2)
+    links = _in_threads(*(lambda: first.link(1, time.monotonic() + 10) for _ in range(4)))
+    assert all(link is links[0] for link in links)
+    assert second.link(0, time.monotonic() + 10) is not None
+
+
+def test_one_failed_link_fails_the_whole_mesh(rng):
+    meshes = _meshes(3)
+    meshes[0].link(1, None)
+    meshes[0].link(2, None)
+    meshes[2].link(0, time.monotonic() + 10)
+    waiting = _started(lambda: meshes[2].exchange(0, 1, None, 8, "a test"))
+    time.sleep(0.2)
+    meshes[0].link(1, None)._fail(tf.errors.UnavailableError(None, None, "link 0-1 failed in the test"))
+    # Process 0's other link fails too (its step's messages there are now unmatched), and so does its peer's wait.
+    with pytest.raises(tf.errors.UnavailableError, match="link 0-1 failed in the test"):
+        meshes[0].exchange(2, 1, _bytes(rng, 8), None, "a test")
+    assert isinstance(waiting(), tf.errors.UnavailableError)
+
+
+def test_a_connection_the_peer_refuses_is_an_error():
+    listeners = [sockets.Listener() for _ in range(2)]
+    addresses = [("127.0.0.1", listener.port) for listener in listeners]
+    sockets.Mesh(listeners[1], 1, addresses, [0, listeners[1].token])
+    wrong = sockets.Mesh(listeners[0], 0, addresses, [listeners[0].token, listeners[1].token ^ 1], timeout_seconds=10)
+    with pytest.raises(tf.errors.UnavailableError, match="refused the connection"):
+        wrong.exchange(1, 1, np.zeros(4, np.uint8), None, "a test")
+
+
+def test_mesh_arguments_are_checked():
+    listener = sockets.Listener()
+    with pytest.raises(ValueError, match="Received: index=2, 2 tokens"):
+        sockets.Mesh(listener, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], [1, 2])
+
+
+def test_peer_must_be_another_process():
+    (mesh,) = _meshes(1)
+    with pytest.raises(ValueError, match="Received: peer=0"):
+        mesh.link(0, None)
+
+
+def test_worker_transport_variable(monkeypatch):
+    monkeypatch.delenv("TF_ADASUM_WORKER_TRANSPORT", raising=False)
+    assert tf_engine.worker_transport() == "sockets"
+    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "collective")
+    assert tf_engine.worker_transport() == "collective"
+    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "grpc")
+    with pytest.raises(ValueError, match="Received: TF_ADASUM_WORKER_TRANSPORT='grpc'"):
+        tf_engine.worker_transport()
+
+
+def test_a_transport_set_differently_on_the_workers_is_an_error(monkeypatch):
+    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(2)]
+    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "collective")
+    engine = tf_engine.TFEngine(devices, (0,), strategy=object())
+    variables = [tf.Variable(tf.zeros([3]))]
+
+    def summed(strategy, values, timeout):  # this worker's values, and 'sockets' on the other
+        return [2 * values[0], values[1] + 1.0] + [2 * v for v in values[2:]]
+
+    monkeypatch.setattr(tf_engine, "sum_over_workers", summed)
+    monkeypatch.setattr(tf_engine.cluster, "task_index", lambda strategy: 0)
+    with pytest.raises(ValueError, match="Received: TF_ADASUM_WORKER_TRANSPORT='collective' on this worker"):
+        engine.check_same_variables(variables)

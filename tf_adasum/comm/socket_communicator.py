@@ -1,0 +1,166 @@
+"""The vector-halving tree's steps over a socket mesh (`tf_adasum.comm.sockets`).
+
+`SocketCommunicator` is one rank's `tf_adasum.rvh.Communicator`: each step (a
+swap, a gather, a level's float64 partial sums, a fold's send or receive) is
+one ``tf.numpy_function`` that sends from the tensor's memory and receives
+into the result's (bytes, whatever the dtype: tensors travel bitcast to
+uint8). `sum_steps` says whom a partial sum talks to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum.comm import collective
+from tf_adasum.comm.sockets import Mesh, aligned_empty
+
+__all__ = ["SocketCommunicator", "sum_steps"]
+
+
+def _as_bytes(x: tf.Tensor) -> tf.Tensor:
+    """`x` flattened to bytes, sharing its buffer."""
+    return tf.reshape(tf.bitcast(tf.reshape(x, [-1]), tf.uint8), [-1])
+
+
+def _from_bytes(raw: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return raw if dtype == tf.uint8 else tf.bitcast(tf.reshape(raw, [-1, dtype.size]), dtype)
+
+
+def sum_steps(members: tuple[int, ...], rank: int) -> list[list[int]]:
+    """The members `rank` exchanges its running sum with, step by step, when
+    `SocketCommunicator.sum_float64` sums over `members`: one partner a step by
+    recursive doubling for a power of two, else every other member at once."""
+    index, count = members.index(rank), len(members)
+    if count & (count - 1):
+        return [[m for m in members if m != rank]]
+    return [[members[index ^ (1 << b)]] for b in range(count.bit_length() - 1)]
+
+
+class SocketCommunicator:
+    """One rank's `tf_adasum.rvh.Communicator` over a `tf_adasum.comm.sockets.Mesh`.
+
+    For trees whose ranks sit on CPUs, no two of one tree in the same process
+    (a process may hold one rank of each of several trees). Each step is one
+    ``tf.numpy_function`` on the mesh's chain, so every process issues them in
+    the same order; each message's tag is a pair of collective keys drawn from
+    `tf_adasum.comm.collective.KEYS` (the pair's group key and this device's
+    next instance key in it), identical on both members of a pair.
+
+    Args:
+      devices: the device of every rank, in rank order.
+      rank: this communicator's rank.
+      processes: the mesh index of every rank's process.
+      mesh: this process's `Mesh`.
+    """
+
+    def __init__(self, devices: Sequence[str], rank: int, processes: Sequence[int], mesh: Mesh):
+        self.devices, self.rank, self.size = tuple(devices), rank, len(devices)
+        self.device = self.devices[rank]
+        self._processes = tuple(processes)
+        self._mesh = mesh
+
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """False: no two ranks of the tree share a process."""
+        return False
+
+    def _tag(self, peer: int) -> int:
+        group_key = collective.KEYS.group_key([self.device, self.devices[peer]])
+        instance_key = collective.KEYS.instance_key(group_key, self.device)
+        return group_key << 32 | instance_key
+
+    def _call(self, fn, inputs: Sequence[tf.Tensor], nbytes) -> tf.Tensor:
+        with tf.device(self.device):
+            return self._mesh.chain.call(fn, inputs, tf.uint8, [nbytes])
+
+    def _what(self, step: str, peer: int) -> str:
+        return f"{step} of rank {self.rank} with rank {peer}"
+
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
+        me, peer, tag = (0 if self.rank < partner else 1), self._processes[partner], self._tag(partner)
+        what = self._what("swap_halves", partner)
+        with tf.device(self.device):
+            rows = tf.reshape(tf.bitcast(x, tf.uint8), [2, -1])
+            nbytes = None if x.shape[1] is None else x.shape[1] * x.dtype.size
+
+        def swap(rows):
+            return self._mesh.exchange(peer, tag, rows[1 - me], rows.shape[1], what)
+
+        received = _from_bytes(self._call(swap, [rows], nbytes), x.dtype)
+        with tf.device(self.device):
+            kept = x[me]
+        return (kept, received) if me == 0 else (received, kept)
+
+    def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        me, peer, tag = (0 if self.rank < partner else 1), self._processes[partner], self._tag(partner)
+        what = self._what("gather_pair", partner)
+        with tf.device(self.device):
+            mine = _as_bytes(x)
+        nbytes = None if x.shape[0] is None else 2 * x.shape[0] * x.dtype.size
+
+        def gather(mine):
+            out = aligned_empty(2 * mine.nbytes).reshape(2, -1)
+            out[me] = mine
+            self._mesh.exchange(peer, tag, mine, out[1 - me], what)
+            return out.reshape(-1)
+
+        return _from_bytes(self._call(gather, [mine], nbytes), x.dtype)
+
+    def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
+        """Sums `x` over `members` in one call: by recursive doubling (the pair
+        with the lower member first) for a power of two, every member's value
+        in member order otherwise; every member gets the bitwise same sum."""
+        steps = sum_steps(members, self.rank)
+        tags = [[self._tag(m) for m in step] for step in steps]
+        what = f"the partial sums of rank {self.rank} over ranks {members}"
+        with tf.device(self.device):
+            flat = _as_bytes(tf.cast(x, tf.float64))
+
+        def add(mine):
+            total = mine.view(np.float64).copy()
+            for step, step_tags in zip(steps, tags):
+                values = {self.rank: total}
+                for m, tag in zip(step, step_tags):
+                    got = self._mesh.exchange(self._processes[m], tag, total, total.nbytes, what)
+                    values[m] = got.view(np.float64)
+                total = values[min(values)]
+                for m in sorted(values)[1:]:
+                    total = total + values[m]
+            return total.view(np.uint8)
+
+        elements = x.shape.num_elements()
+        summed = _from_bytes(self._call(add, [flat], None if elements is None else 8 * elements), tf.float64)
+        with tf.device(self.device):
+            out = tf.reshape(summed, tf.shape(x))
+        out.set_shape(x.shape)
+        return out
+
+    def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
+        process, tag, what = self._processes[peer], self._tag(peer), self._what("a send", peer)
+        with tf.device(self.device):
+            raw = _as_bytes(x)
+
+        def send(raw):
+            self._mesh.exchange(process, tag, raw, None, what)
+            return np.zeros(0, np.uint8)
+
+        sent = self._call(send, [raw], 0)
+        with tf.device(self.device), tf.control_dependencies([sent]):
+            return tf.identity(x)
+
+    def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
+        process, tag, what = self._processes[peer], self._tag(peer), self._what("a receive", peer)
+        nbytes = None if like.shape.num_elements() is None else like.shape.num_elements() * like.dtype.size
+        with tf.device(self.device):
+            size = tf.size(like, out_type=tf.int64) * like.dtype.size
+
+        def recv(size):
+            return self._mesh.exchange(process, tag, None, int(size), what)
+
+        received = _from_bytes(self._call(recv, [size], nbytes), like.dtype)
+        with tf.device(self.device):
+            out = tf.reshape(received, tf.shape(like))
+        out.set_shape(like.shape)
+        return out
