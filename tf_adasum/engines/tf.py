@@ -144,6 +144,10 @@ class TFEngine(Engine):
         self._eager_fns: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         self.transport = worker_transport()
+        # Each device's process, numbered in the workers' order (their order in `devices`).
+        of = {d: cluster.process_of(d) for d in self.devices}
+        numbers = {p: i for i, p in enumerate(dict.fromkeys(of.values()))}
+        self._process_index = {d: numbers[p] for d, p in of.items()}
 
     @classmethod
     def for_strategy(cls, strategy, options=None, compression=None) -> TFEngine:
@@ -172,13 +176,12 @@ class TFEngine(Engine):
     def _process_of(self, device: str) -> int:
         """The index of `device`'s process (job, replica, task) among the
         processes of `devices`, in their order (the workers' order)."""
-        processes = list(dict.fromkeys(cluster.process_of(d) for d in self.devices))
-        return processes.index(cluster.process_of(device))
+        return self._process_index[device]
 
     def _over_sockets(self, trees) -> bool:
         """Whether `trees` go over the socket mesh: CPUs only, spread over
         processes, at most one rank of each tree per process."""
-        if self.transport != "sockets" or len({cluster.process_of(d) for d in self.devices}) == 1:
+        if self.transport != "sockets" or len(set(self._process_index.values())) == 1:
             return False
         return all(cluster.is_cpu(d) for d in self.devices) and all(
             len({self._process_of(d) for d in tree}) == len(tree) > 1 for tree, _ in trees
