@@ -19,9 +19,9 @@ the memory the result lives in: one copy into the kernel and one out.
 
 Failures never hang, and a link that failed once stays failed (every later
 use raises) and fails the mesh's other links (the failed step left messages
-unmatched there too; the process must start over): a wait past the timeout raises `DeadlineExceededError`; a
-connection that closes or resets (a peer that died or left) fails every wait
-on it with `UnavailableError`; TCP keepalive (idle connections) and
+unmatched there too; the process must start over): a wait past the timeout
+raises `DeadlineExceededError`; a connection that closes or resets (a peer
+that died or left) fails every wait on it with `UnavailableError`; TCP keepalive (idle connections) and
 ``TCP_USER_TIMEOUT`` (unacknowledged data) notice a peer host that vanished
 without closing, within about a minute; a message of another size than the
 one expected (processes running different programs) fails the link, so its
@@ -67,6 +67,21 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     offset = -raw.ctypes.data % _ALIGN
     return raw[offset : offset + nbytes]
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
+    """Fills `view` from `sock`; a socket timeout raises unless `idle_ok`
+    (then it only means that nothing has come yet)."""
+    while view.nbytes:
+        try:
+            count = sock.recv_into(view)
+        except TimeoutError:
+            if idle_ok:
+                continue
+            raise
+        if not count:
+            raise ConnectionError("the connection was closed")
+        view = view[count:]
 
 
 def _tune(sock: socket.socket) -> None:
@@ -132,16 +147,6 @@ class _Link:
         self._on_failure = on_failure  # called once with the first failure (the mesh fails the others)
         threading.Thread(target=self._read_forever, name=f"tf_adasum reader ({name})", daemon=True).start()
 
-    def _read_exactly(self, view: memoryview) -> None:
-        while view.nbytes:
-            try:
-                count = self._socket.recv_into(view)
-            except TimeoutError:  # idle: nothing to read yet
-                continue
-            if not count:
-                raise ConnectionError("the connection was closed")
-            view = view[count:]
-
     def _claim(self, tag: int, nbytes: int) -> _Receive:
         with self._state:
             posted = self._posted.get(tag)
@@ -158,9 +163,9 @@ class _Link:
         header = bytearray(_HEADER.size)
         try:
             while True:
-                self._read_exactly(memoryview(header))
+                _recv_exactly(self._socket, memoryview(header), idle_ok=True)
                 receive = self._claim(*_HEADER.unpack(header))
-                self._read_exactly(memoryview(receive.buffer))
+                _recv_exactly(self._socket, memoryview(receive.buffer), idle_ok=True)
                 with self._state:
                     receive.done = True
                     self._state.notify_all()
@@ -318,12 +323,7 @@ class Mesh:
         try:
             sock.settimeout(_HANDSHAKE_SECONDS)
             hello = bytearray(_HELLO.size)
-            view = memoryview(hello)
-            while view.nbytes:
-                count = sock.recv_into(view)
-                if not count:
-                    raise ConnectionError("closed during the handshake")
-                view = view[count:]
+            _recv_exactly(sock, memoryview(hello))
             magic, peer, token = _HELLO.unpack(hello)
             if magic != _MAGIC or token != self._listener.token or not 0 <= peer < self.index:
                 raise ConnectionError("not a peer of this cluster")

@@ -8,10 +8,11 @@ between the CPUs of this process its exchanges are direct (no collective).
 Between worker processes whose replicas are CPUs, one per process in each
 tree (one CPU per worker, or the cross-worker scope of the hierarchical
 combine), the tree's messages travel over this process's socket mesh
-(`tf_adasum.comm.sockets`, `tf_adasum.comm.socket_communicator`), set up on the first such combine with one tiny
-exchange of listening ports over TF collective ops; elsewhere, and when
-``TF_ADASUM_WORKER_TRANSPORT=collective``, over TF collective ops
-(`tf_adasum.comm.collective.TFCollectiveCommunicator`, gRPC between processes).
+(`tf_adasum.comm.sockets`, `tf_adasum.comm.socket_communicator`), set up on
+the first such combine with one tiny exchange of listening ports over TF
+collective ops; elsewhere, and when ``TF_ADASUM_WORKER_TRANSPORT=collective``,
+over TF collective ops (`tf_adasum.comm.collective.TFCollectiveCommunicator`,
+gRPC between processes).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class TFEngine(Engine):
         of = {d: cluster.process_of(d) for d in self.devices}
         numbers = {p: i for i, p in enumerate(dict.fromkeys(of.values()))}
         self._process_index = {d: numbers[p] for d, p in of.items()}
+        # Whether trees spread over processes go over sockets (on GPUs the setting changes nothing).
+        self._sockets_between_processes = self.transport == "sockets" and all(cluster.is_cpu(d) for d in self.devices)
 
     @classmethod
     def for_strategy(cls, strategy, options=None, compression=None) -> TFEngine:
@@ -181,9 +184,7 @@ class TFEngine(Engine):
     def _over_sockets(self, trees) -> bool:
         """Whether `trees` go over the socket mesh: CPUs only, spread over
         processes, at most one rank of each tree per process."""
-        if self.transport != "sockets" or len(set(self._process_index.values())) == 1:
-            return False
-        return all(cluster.is_cpu(d) for d in self.devices) and all(
+        return self._sockets_between_processes and all(
             len({self._process_of(d) for d in tree}) == len(tree) > 1 for tree, _ in trees
         )
 
@@ -254,8 +255,7 @@ class TFEngine(Engine):
         if self.num_workers == 1:
             return
         digests = small_digests(variables)
-        # Whether this worker would use the socket transport (on GPUs the setting changes nothing).
-        over_sockets = float(self.transport == "sockets" and all(cluster.is_cpu(d) for d in self.devices))
+        over_sockets = float(self._sockets_between_processes)
         totals = sum_over_workers(
             self.strategy, [1.0, over_sockets] + [x for d in digests for x in (d, d * d)], self.options.timeout_seconds
         )
