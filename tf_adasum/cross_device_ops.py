@@ -111,7 +111,11 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     # -- the Adasum path ------------------------------------------------------
 
-    def batch_reduce_adasum(self, per_replica_values: Sequence[Any], options=None) -> list[Any]:
+    def batch_reduce_adasum(
+        self,
+        per_replica_values: Sequence[Any],
+        options: tf.distribute.experimental.CommunicationOptions | None = None,
+    ) -> list[Any]:
         """Combines each value over all replicas with Adasum.
 
         Args:
@@ -130,12 +134,14 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
     def batch_reduce_combine(
         self,
         per_replica_values: Sequence[Any],
-        combiner="adasum",
-        options=None,
+        combiner: str | Any = "adasum",
+        options: tf.distribute.experimental.CommunicationOptions | None = None,
         with_partials: bool = False,
         hierarchical: bool = False,
-    ):
-        """Like `batch_reduce_adasum`, with any combiner (name or object).
+    ) -> list[Any] | tuple[list[Any], Any]:
+        """Like `batch_reduce_adasum`, with any pair-rule combiner: `"adasum"`,
+        `"sum"`, `"mean"` or a `tf_adasum.combiners` object (AdaCons is not a
+        pair rule: use it through `AdasumOptimizer`).
 
         With `with_partials`, returns ``(combined, partials)``: `partials` is a
         per-replica float64 ``[levels, len(values), 3]`` tensor of the partial

@@ -65,8 +65,11 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         memory; the arithmetic stays float64 on the widened values and the
         replicas stay identical (`tf_adasum.comm.compression`). None takes the
         strategy's `AdasumCrossDeviceOps(compression=...)`, if any.
-      use_ema, ema_momentum, ema_overwrite_frequency: exponential moving average
-        of the combined weights (as in Keras optimizers).
+      use_ema: keep an exponential moving average of the combined weights (as
+        in Keras optimizers; the inner optimizer's own `use_ema` is refused).
+      ema_momentum: the moving average's momentum, in [0, 1].
+      ema_overwrite_frequency: every how many steps the model's weights are
+        overwritten by their moving average (None: never; as in Keras).
       loss_scale_factor: the loss scale (default: the inner optimizer's).
       name: the optimizer's name.
 

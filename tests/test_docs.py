@@ -1,0 +1,171 @@
+"""The documentation: the site builds offline with warnings as errors, every
+internal link and image of the built site and of the README resolves, and the
+API reference documents every name in `tf_adasum.__all__` with its docstring.
+
+The build is `make docs`'s command (mkdocs, strict mode); inside a network
+namespace of its own where the system allows one (`unshare --net`), so a build
+that reached for the network would fail here.
+"""
+
+from __future__ import annotations
+
+import html
+import html.parser
+import inspect
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README_MAX_LINES = 300
+# A Markdown link or image: [text](target) or ![alt](target); the target ends at
+# the first space (a title may follow) or the closing parenthesis.
+_MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    """The site built into a temporary folder, as `make docs` builds it."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: `make install` brings it (the `docs` extra)")
+    out = tmp_path_factory.mktemp("site")
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
+    if _can_unshare_network():
+        command = ["unshare", "--net", *command]
+    result = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
+    assert result.returncode == 0, f"`mkdocs build --strict` failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+def _can_unshare_network() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
+
+
+class _Page(html.parser.HTMLParser):
+    """The link targets (href, src) and element ids of one HTML page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if value is None:
+                continue
+            if name == "id":
+                self.ids.add(value)
+            elif name in ("href", "src"):
+                self.targets.append(value)
+
+
+def _parse(path: pathlib.Path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def _is_external(target: str) -> bool:
+    return bool(urllib.parse.urlsplit(target).scheme) or target.startswith("//")
+
+
+def test_every_internal_link_and_image_of_the_site_resolves(site):
+    pages = {path: _parse(path) for path in site.rglob("*.html")}
+    broken = []
+    for path, page in pages.items():
+        for target in page.targets:
+            if _is_external(target):
+                continue
+            parts = urllib.parse.urlsplit(target)
+            relative_to = site if parts.path.startswith("/") else path.parent  # 404.html links from the root
+            resolved = (relative_to / urllib.parse.unquote(parts.path).lstrip("/")).resolve() if parts.path else path
+            if resolved.is_dir():
+                resolved = resolved / "index.html"
+            if not resolved.is_file():
+                broken.append(f"{path.relative_to(site)}: {target} (no file)")
+            elif parts.fragment and resolved.suffix == ".html":
+                ids = pages[resolved].ids if resolved in pages else _parse(resolved).ids
+                if urllib.parse.unquote(parts.fragment) not in ids:
+                    broken.append(f"{path.relative_to(site)}: {target} (no such anchor)")
+    assert not broken, "broken links in the built site:\n" + "\n".join(broken)
+    assert len(pages) > 10, f"the site has only {len(pages)} pages"
+
+
+def test_every_image_the_guide_shows_is_in_the_site(site):
+    images = [img for page in (_parse(p) for p in site.rglob("*.html")) for img in page.targets if img.endswith(".png")]
+    assert images, "no page shows an image"
+    # Link resolution is checked above; here, that each shipped figure is used somewhere.
+    shown = {pathlib.Path(urllib.parse.urlsplit(i).path).name for i in images}
+    shipped = {p.name for p in (ROOT / "docs").rglob("*.png")}
+    assert shipped <= shown, f"figures in docs/ that no page shows: {sorted(shipped - shown)}"
+
+
+def test_the_api_reference_documents_every_public_name(site):
+    import tf_adasum
+
+    words = " ".join(_words(_text(site / "reference" / "api.html")))
+    missing = []
+    for name in tf_adasum.__all__:
+        if name == "__version__":
+            if "__version__" not in words:
+                missing.append(name)
+            continue
+        obj = getattr(tf_adasum, name)
+        qualified = obj.__name__ if inspect.ismodule(obj) else f"{obj.__module__}.{obj.__qualname__}"
+        summary = " ".join(_words(inspect.getdoc(obj).split("\n\n")[0])[:12])
+        if " ".join(_words(qualified)) not in words:
+            missing.append(f"{name} ({qualified} has no entry)")
+        elif summary not in words:
+            missing.append(f"{name} (its docstring's summary is not shown: {summary!r})")
+    assert not missing, "the API reference lacks:\n" + "\n".join(missing)
+
+
+def _text(path: pathlib.Path) -> str:
+    raw = re.sub(r"<[^>]+>", " ", path.read_text(encoding="utf-8"))
+    return re.sub(r"\s+", " ", html.unescape(raw))
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[A-Za-z0-9_]+", text)
+
+
+def test_every_relative_link_of_the_readme_resolves():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    broken = []
+    for target in _MARKDOWN_LINK.findall(readme):
+        if _is_external(target) or target.startswith("#"):
+            continue
+        path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
+        if not (ROOT / path).exists():
+            broken.append(target)
+    assert not broken, f"README.md links to files that do not exist: {broken}"
+
+
+def test_the_readme_stays_short():
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail to a guide page in docs/guide/"
+    )
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_table():
+    table = (ROOT / "docs" / "guide" / "environment.md").read_text(encoding="utf-8")
+    read = set()
+    for path in (ROOT / "tf_adasum").rglob("*.py"):
+        read.update(re.findall(r"\b(TF_ADASUM_[A-Z_]+)\b", path.read_text(encoding="utf-8")))
+    missing = sorted(name for name in read if f"`{name}`" not in table)
+    assert not missing, f"docs/guide/environment.md does not list: {missing}"
