@@ -83,8 +83,13 @@ def _is_external(target: str) -> bool:
     return bool(urllib.parse.urlsplit(target).scheme) or target.startswith("//")
 
 
-def test_every_internal_link_and_image_of_the_site_resolves(site):
-    pages = {path: _parse(path) for path in site.rglob("*.html")}
+@pytest.fixture(scope="module")
+def pages(site) -> dict[pathlib.Path, _Page]:
+    """Every built HTML page, parsed once."""
+    return {path: _parse(path) for path in site.rglob("*.html")}
+
+
+def test_every_internal_link_and_image_of_the_site_resolves(site, pages):
     broken = []
     for path, page in pages.items():
         for target in page.targets:
@@ -98,17 +103,16 @@ def test_every_internal_link_and_image_of_the_site_resolves(site):
             if not resolved.is_file():
                 broken.append(f"{path.relative_to(site)}: {target} (no file)")
             elif parts.fragment and resolved.suffix == ".html":
-                ids = pages[resolved].ids if resolved in pages else _parse(resolved).ids
-                if urllib.parse.unquote(parts.fragment) not in ids:
+                if urllib.parse.unquote(parts.fragment) not in pages[resolved].ids:
                     broken.append(f"{path.relative_to(site)}: {target} (no such anchor)")
     assert not broken, "broken links in the built site:\n" + "\n".join(broken)
     assert len(pages) > 10, f"the site has only {len(pages)} pages"
 
 
-def test_every_image_the_guide_shows_is_in_the_site(site):
-    images = [img for page in (_parse(p) for p in site.rglob("*.html")) for img in page.targets if img.endswith(".png")]
+def test_every_figure_in_docs_is_shown_by_a_page(pages):
+    # That each shown image resolves is checked above; here, that no shipped figure is orphaned.
+    images = [target for page in pages.values() for target in page.targets if target.endswith(".png")]
     assert images, "no page shows an image"
-    # Link resolution is checked above; here, that each shipped figure is used somewhere.
     shown = {pathlib.Path(urllib.parse.urlsplit(i).path).name for i in images}
     shipped = {p.name for p in (ROOT / "docs").rglob("*.png")}
     assert shipped <= shown, f"figures in docs/ that no page shows: {sorted(shipped - shown)}"

@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 
+from tf_adasum import combiners as combiners_lib
 from tf_adasum.comm import cluster, collective
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import check_values, pair_rule
@@ -134,7 +135,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
     def batch_reduce_combine(
         self,
         per_replica_values: Sequence[Any],
-        combiner: str | Any = "adasum",
+        combiner: str | combiners_lib.Combiner = "adasum",
         options: tf.distribute.experimental.CommunicationOptions | None = None,
         with_partials: bool = False,
         hierarchical: bool = False,
