@@ -6,8 +6,10 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -78,6 +80,58 @@ def test_recipe_preset_is_one_replica_three_seeds():
     assert [c.seed for c in cli.build_grid(_args("--preset", "recipe", "--seed", "5"))] == [5]
 
 
+def test_replicas_preset_grows_n_at_the_recipe_batch():
+    configs = cli.build_grid(_args("--preset", "replicas"))
+    assert len(configs) == 9 * 3 * 5
+    assert sorted({c.replicas for c in configs}) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for n in cli.REPLICA_COUNTS:
+        for seed in (0, 1, 2):
+            series = sorted((c.combiner, c.local_steps) for c in configs if c.replicas == n and c.seed == seed)
+            assert series == [("adacons", 1), ("adasum", 1), ("adasum", 4), ("keras", 1), ("keras-scaled", 1)]
+    assert {(c.model, c.engine, c.batch_per_replica, c.lr, c.schedule, c.target, c.epochs) for c in configs} == {
+        ("lenet_caffe", "simulated", 64, 1e-3, "cosine", 0.993, 10)
+    }
+    assert [c.replicas for c in configs] == sorted(c.replicas for c in configs)  # in order of N (stops_early)
+
+
+def _outcome(combiner, n, seed, reached, local_steps=1):
+    record = _record(combiner, n, 64, local_steps, [0.95] if reached else [0.5])
+    return {**record, "seed": seed, "engine": "simulated"}
+
+
+def test_stops_early_after_two_consecutive_n_where_every_seed_failed():
+    config = lambda combiner, n, k=1: RunConfig(  # noqa: E731
+        combiner=combiner, replicas=n, batch_per_replica=64, local_steps=k, target=0.9, epochs=4, engine="simulated"
+    )
+    records = [_outcome("adacons", 4, seed, seed == 1) for seed in (0, 1, 2)]  # one seed reached it
+    records += [_outcome("adacons", 8, seed, False) for seed in (0, 1, 2)]
+    assert not cli.stops_early(config("adacons", 16), records)  # only one N failed every seed
+    records += [_outcome("adacons", 16, seed, False) for seed in (0, 1, 2)]
+    assert cli.stops_early(config("adacons", 32), records)
+    assert not cli.stops_early(config("adacons", 16), records)  # judged on smaller N only
+    failed_adasum = [_outcome("adasum", n, seed, False) for n in (4, 8) for seed in (0, 1, 2)]
+    assert not cli.stops_early(config("adasum", 16), failed_adasum)  # Adasum always runs to the end
+    local = [_outcome("adasum", n, seed, False, local_steps=4) for n in (4, 8) for seed in (0, 1, 2)]
+    assert cli.stops_early(config("adasum", 16, 4), local)
+    assert not cli.stops_early(config("adasum", 16, 4), local + [_outcome("adasum", 8, 3, True, 4)])
+    assert not cli.stops_early(config("adasum", 16), local)  # K = 1 is another method
+
+
+def test_seed_summary_reports_median_and_range():
+    records = [
+        {**_record("adasum", 8, 64, 1, [0.5, 0.95, 0.97]), "seed": 0},
+        {**_record("adasum", 8, 64, 1, [0.5, 0.6, 0.92]), "seed": 1},
+        {**_record("adasum", 8, 64, 1, [0.5, 0.6, 0.7]), "seed": 2},
+        {**_record("keras", 8, 64, 1, [0.91]), "seed": 0},
+    ]
+    lines = cli.seed_summary(records).splitlines()
+    assert lines[0].split()[:6] == ["model", "combiner", "K", "N", "eff.batch", "seeds"]
+    assert lines[2].split() == ["lenet5", "adasum", "1", "8", "512", "3", "3", "2->4", "0.9200", "0.7000-0.9700"]
+    assert lines[3].split() == ["lenet5", "keras", "1", "8", "512", "1", "1", "1-1", "0.9100", "0.9100-0.9100"]
+    all_missed = [{**_record("mean", 2, 64, 1, [0.5]), "seed": s} for s in (0, 1)]
+    assert cli.seed_summary(all_missed).splitlines()[2].split()[6:8] == [">4", ">4->4"]
+
+
 def test_learning_rate_schedules():
     from tf_adasum.eval.config import WARMUP_EPOCHS
     from tf_adasum.eval.runner import learning_rate
@@ -106,8 +160,8 @@ def test_largest_reached():
     assert lines[2].endswith("mean K=1: largest effective batch reaching 0.900: none (of 256)")
     seeds = [_record("adasum", 4, 64, 1, [0.95]), {**_record("adasum", 4, 64, 1, [0.5]), "seed": 1}]
     assert cli.largest_reached(seeds)[0].endswith(": none (of 256)")  # every seed must reach it
-    assert lines[0].endswith("adasum K=1: largest effective batch reaching 0.900: 1024 (of 256, 1024)")
-    assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (of 256, 1024)")
+    assert lines[0].endswith("adasum K=1: largest effective batch reaching 0.900: 1024 (N=4 x 256) (of 256, 1024)")
+    assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (N=4 x 64) (of 256, 1024)")
 
 
 def test_custom_grid_skips_keras_with_local_steps():
@@ -173,6 +227,40 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
     assert "2 configurations, 2 already done" in capsys.readouterr().out
     again = [json.loads(line) for line in open(tmp_path / "results.jsonl", encoding="utf-8")]
     assert again == records
+
+
+def test_replicas_preset_survives_an_interruption_and_resumes(tmp_path):
+    """The replica sweep, cut to N = 1, 2 and one epoch on a few images: killed
+    (its whole process group) once its first run is recorded, then resumed:
+    every configuration ends up recorded once, the first record unchanged."""
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, "-m", "tf_adasum.eval", "--preset", "replicas", "--replicas", "1", "2", "--seed", "0",
+        "--combiners", "adasum", "keras", "--epochs", "1", "--train-examples", "256", "--test-examples", "200",
+        "--out", str(out),
+    ]  # fmt: skip
+    results = out / "results.jsonl"
+    first = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (results.exists() and results.read_text().count("\n") >= 1):
+            assert first.poll() is None, "the sweep ended before it was interrupted"
+            assert time.monotonic() < deadline, "no run finished within 240 s"
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    (recorded,) = [json.loads(line) for line in results.read_text().splitlines()]
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "6 configurations, 1 already done" in resumed.stdout
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert records[0] == recorded
+    keys = sorted((r["replicas"], r["combiner"], r["local_steps"]) for r in records)
+    assert keys == [(n, c, k) for n in (1, 2) for c, k in (("adasum", 1), ("adasum", 4), ("keras", 1))]
+    assert {r["engine"] for r in records} == {"simulated"}
+    assert "epochs (median)" not in resumed.stdout  # one seed: no summary over seeds
+    assert (out / "scaling.png").stat().st_size > 10_000
 
 
 # -- IDX data -------------------------------------------------------------------------------------

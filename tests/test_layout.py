@@ -31,6 +31,7 @@ LAYERS = {
     "engines.base": 4,
     "engines.mpi_native": 4,
     "engines.tf": 5,
+    "engines.simulated": 5,
     "engines.mpi": 5,
     "engines.select": 6,
     "cross_device_ops": 7,
@@ -40,6 +41,7 @@ LAYERS = {
     "local_steps": 7,
     "optimizer_args": 7,
     "optimizer": 8,
+    "simulation": 8,  # beside the optimizer: the same step, every replica in one process
     "callbacks": 9,
     "backup": 9,
     "mpi": 9,

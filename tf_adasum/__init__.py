@@ -7,6 +7,7 @@ Public API:
   AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
   AdasumDiagnostics      a Keras callback with per-tensor diagnostics of the combine
   BackupAndRestore       a Keras callback: back up every epoch, resume after a kill, one folder on every engine
+  SimulatedReplicas      N replicas' training in one process ("what would Adasum do on 256 workers")
   combiners              combiner objects ("adasum", "sum", "mean", AdaCons)
   mpi                    rank(), size(), local_rank(), MetricAverageCallback for mpirun jobs
 
@@ -56,6 +57,7 @@ __all__ = [
     "AdasumDiagnostics",
     "AdasumOptimizer",
     "BackupAndRestore",
+    "SimulatedReplicas",
     "__version__",
     "adasum_pair",
     "combiners",
@@ -66,7 +68,8 @@ __all__ = [
 
 def _load() -> None:
     """Imports the public API, and so TensorFlow, into this module."""
-    global _loading, AdasumCrossDeviceOps, AdasumDiagnostics, AdasumOptimizer, BackupAndRestore, adasum_pair
+    global _loading, AdasumCrossDeviceOps, AdasumDiagnostics, AdasumOptimizer, BackupAndRestore, SimulatedReplicas
+    global adasum_pair
     global combiners, mpi, reference
     _loading = True
     _check_keras_backend()
@@ -79,6 +82,7 @@ def _load() -> None:
     from tf_adasum.cross_device_ops import AdasumCrossDeviceOps
     from tf_adasum.ops import adasum_pair
     from tf_adasum.optimizer import AdasumOptimizer
+    from tf_adasum.simulation import SimulatedReplicas
 
     compat.patch_keras_multiworker_fit()  # keras-team/keras#20585, multi-worker strategies only
 

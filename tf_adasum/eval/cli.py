@@ -26,14 +26,16 @@ import csv
 import dataclasses
 import itertools
 import json
+import math
 import os
+import statistics
 import sys
 
 from tf_adasum.eval import metrics, quiet
 from tf_adasum.eval.config import COMBINERS, ENGINES, KERAS_BASELINES, SCHEDULES, TIMING_MODELS, RunConfig
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
-__all__ = ["ONEDNN_KERNELS", "PRESETS", "main"]
+__all__ = ["ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main", "stops_early"]
 
 #: The evaluation's kernels (see the module docstring), unless the environment chooses.
 ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
@@ -73,7 +75,50 @@ def _paper() -> list[RunConfig]:
     return configs
 
 
-PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper}
+#: The replica axis: N = 1 to 256 replicas, each at the recipe's batch.
+REPLICA_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _replicas() -> list[RunConfig]:
+    """The paper's axis: more replicas, each at the recipe's batch (64) and
+    learning rate, N = 1 to 256 (effective batch 64 to 16384), seeds 0, 1, 2;
+    Adasum, Adasum with 4 local steps of batch 64, AdaCons, and the averaging
+    baselines at each effective batch. N replicas are simulated in one process
+    (`tf_adasum.SimulatedReplicas`). In order of N, so that `stops_early` can
+    skip AdaCons and local steps past two consecutive N where every seed failed."""
+    common = dict(model="lenet_caffe", dataset="mnist", engine="simulated", batch_per_replica=64, lr=1e-3)
+    common.update(target=0.993, epochs=10)
+    configs = []
+    for n in REPLICA_COUNTS:
+        for seed in (0, 1, 2):
+            for combiner, k in (("adasum", 1), ("adasum", 4), ("adacons", 1), ("keras", 1), ("keras-scaled", 1)):
+                configs.append(RunConfig(combiner=combiner, local_steps=k, replicas=n, seed=seed, **common))
+    return configs
+
+
+PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper, "replicas": _replicas}
+
+
+def _same_method(config: RunConfig) -> tuple:
+    """What identifies a method along the replica axis: everything but N and the seed."""
+    return dataclasses.replace(config, replicas=1, seed=0).key()
+
+
+def stops_early(config: RunConfig, records: list[dict]) -> bool:
+    """Whether the replica sweep skips `config`: AdaCons and Adasum with local
+    steps stop once every seed failed the target at two consecutive N below
+    (a larger N does not rescue them; Adasum and the averaging baselines always
+    run to the end, so their rows are complete)."""
+    if not (config.combiner == "adacons" or config.local_steps > 1):
+        return False
+    outcomes: dict[int, list[bool]] = {}
+    for record in records:
+        other = _config_of(record)
+        if _same_method(other) == _same_method(config) and other.replicas < config.replicas:
+            outcomes.setdefault(other.replicas, []).append(record["epochs_until_convergence"] > 0)
+    tried = sorted(outcomes)
+    failed = [n for n in tried if not any(outcomes[n])]
+    return any(a in failed and b in failed for a, b in zip(tried, tried[1:]))
 
 
 def _parse_args(argv):
@@ -86,7 +131,7 @@ def _parse_args(argv):
     )
     parser.add_argument("--datasets", nargs="+", help="mnist, fashion_mnist")
     parser.add_argument("--combiners", nargs="+", help=", ".join(COMBINERS))
-    parser.add_argument("--engine", default="local-devices", help=", ".join(ENGINES))
+    parser.add_argument("--engine", help=f"{', '.join(ENGINES)} (default: the preset's, else local-devices)")
     parser.add_argument("--replicas", type=int, nargs="+")
     parser.add_argument("--batch-per-replica", type=int, nargs="+")
     parser.add_argument("--local-steps", type=int, nargs="+")
@@ -202,24 +247,61 @@ def format_table(records: list[dict]) -> str:
 
 
 def largest_reached(records: list[dict]) -> list[str]:
-    """Per model, dataset, replicas, combiner, local steps and target: the
-    largest effective batch whose runs (every seed) reached the target, one
-    line each, with the batches tried (a smaller batch may have failed where
-    a larger one succeeded; the table shows each). Runs of one grid share the
-    learning rate, schedule and budget."""
+    """Per model, dataset, combiner, local steps and target: the largest
+    effective batch (N x b x K) whose runs (every seed) reached the target,
+    one line each, with its N x b and the batches tried (a smaller batch may
+    have failed where a larger one succeeded; the table shows each). Runs of
+    one grid share the learning rate, schedule and budget."""
     groups: dict[tuple, dict[int, bool]] = {}
+    shapes: dict[tuple, set[str]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], r["replicas"], r["combiner"], r["local_steps"], r["target"])
+        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["target"])
         reached = groups.setdefault(key, {})
         batch = r["effective_batch"]
         reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
+        shapes.setdefault((*key, batch), set()).add(f"N={r['replicas']} x {r['batch_per_replica']}")
     lines = []
-    for (model, dataset, replicas, combiner, k, target), reached in groups.items():
+    for key, reached in groups.items():
+        model, dataset, combiner, k, target = key
         batches = sorted(b for b, ok in reached.items() if ok)
         tried = f"of {', '.join(map(str, sorted(reached)))}"
-        largest = f"largest effective batch reaching {target:.3f}: {batches[-1] if batches else 'none'} ({tried})"
-        lines.append(f"{model} / {dataset}, N={replicas}, {combiner} K={k}: {largest}")
+        largest = f"{batches[-1]} ({', '.join(sorted(shapes[(*key, batches[-1])]))})" if batches else "none"
+        lines.append(
+            f"{model} / {dataset}, {combiner} K={k}: largest effective batch reaching {target:.3f}: {largest} ({tried})"
+        )
     return lines
+
+
+def seed_summary(records: list[dict]) -> str:
+    """A table over seeds: per model, dataset, combiner, K, N and batch, the
+    median and range of the epochs to the target (a run that missed it counts
+    as more than its budget, shown ``>E``) and of the best test accuracy."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
+        groups.setdefault(key, []).append(r)
+
+    def epochs(r):
+        return r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf
+
+    def shown(value, budget):
+        return f">{budget}" if math.isinf(value) else f"{value:g}"
+
+    header = ["model", "combiner", "K", "N", "eff.batch", "seeds", "epochs (median)", "range", "best (median)", "range"]
+    rows = [header]
+    for (model, _, combiner, k, n, _), runs in groups.items():
+        budget = max(r["epochs"] for r in runs)
+        reached = [epochs(r) for r in runs]
+        best = [r["best_acc"] for r in runs]
+        rows.append([
+            model, combiner, str(k), str(n), str(runs[0]["effective_batch"]), str(len(runs)),
+            shown(statistics.median(reached), budget), f"{shown(min(reached), budget)}-{shown(max(reached), budget)}",
+            f"{statistics.median(best):.4f}", f"{min(best):.4f}-{max(best):.4f}",
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
 
 
 class _Progress:
@@ -267,7 +349,7 @@ def _timing_settings(args) -> dict:
             raise InputError(f"`{name}` must be >= 1. Received: {name}={settings[name]}")
     if args.timing_steps < 1:
         raise InputError(f"`timing_steps` must be >= 1. Received: timing_steps={args.timing_steps}")
-    if args.engine != "local-devices":
+    if args.engine not in (None, "local-devices"):
         raise InputError(
             f"The timing models ({', '.join(TIMING_MODELS)}) run on local devices only. "
             f"Received: engine={args.engine!r}"
@@ -335,6 +417,13 @@ def _run_grid(args, plan: _Plan) -> None:
     records = list(plan.previous)
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
+        if args.preset == "replicas" and stops_early(config, records):
+            print(
+                f"[{index}/{len(todo)}] skipped: {config.combiner} K={config.local_steps} N={config.replicas} "
+                "(every seed failed the target at two consecutive smaller N)",
+                flush=True,
+            )
+            continue
         progress = _Progress(index, len(todo), config)
         record = run_in_processes(config, not args.no_stop, progress, args.data_dir, args.verbose)
         progress.close()
@@ -348,6 +437,9 @@ def _run_grid(args, plan: _Plan) -> None:
     print()
     print(format_table(selected))
     print()
+    if len({r["seed"] for r in selected}) > 1:
+        print(seed_summary(selected))
+        print()
     if len({r["effective_batch"] for r in selected}) > 1:
         print("\n".join(largest_reached(selected)))
         print()

@@ -26,7 +26,12 @@ COMBINERS = ("adasum", "adacons", "mean", "sum", "keras", "keras-scaled")
 #: Combiners without local steps: Keras' own gradient averaging, at the base
 #: learning rate (``keras``) or scaled to the effective batch (``keras-scaled``).
 KERAS_BASELINES = ("keras", "keras-scaled")
-ENGINES = ("local-devices", "tf-collective", "mpi")
+#: How the replicas run: N logical CPU devices of one process, N worker processes
+#: (MultiWorkerMirroredStrategy), N MPI ranks, or ``simulated``: N replicas
+#: computed one after another in one process (`tf_adasum.SimulatedReplicas`;
+#: the averaging baselines there train one replica at the effective batch,
+#: which is the same method).
+ENGINES = ("local-devices", "tf-collective", "mpi", "simulated")
 #: Trained to a target accuracy.
 TRAINING_MODELS = ("lenet_caffe", "lenet5", "resnet")
 #: Timed on synthetic data (time per step, communication share).

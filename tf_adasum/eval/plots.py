@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 
 __all__ = ["plot"]
 
@@ -170,9 +171,57 @@ def _scaling(plt, records: list[dict], style: _Style, path: str) -> None:
     plt.close(fig)
 
 
+def _replica_axis(plt, records: list[dict], style: _Style, path: str) -> None:
+    """Epochs to target and best accuracy against N (the replica sweep): the
+    median over seeds, a bar from the smallest to the largest; a point whose
+    median run missed the target sits on the "not reached" row (its bar still
+    shows the seeds that reached it)."""
+    budget = max(r["epochs"] for r in records)
+    missed_y = budget + max(1.0, 0.12 * budget)
+    counts = sorted({r["replicas"] for r in records})
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.4))
+    series = _series(records)
+    epochs = lambda r: r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else missed_y  # noqa: E731
+    for shift, s in zip(_offsets(len(series), 0.05), series):
+        mine = [r for r in records if (r["combiner"], r["local_steps"]) == s]
+        ns = sorted({r["replicas"] for r in mine})
+        for axis, value in zip(axes, (epochs, lambda r: r["best_acc"])):
+            values = [[value(r) for r in mine if r["replicas"] == n] for n in ns]
+            middle = [statistics.median(v) for v in values]
+            low = [m - min(v) for m, v in zip(middle, values)]
+            high = [max(v) - m for m, v in zip(middle, values)]
+            x = [n * 2**shift for n in ns]
+            axis.errorbar(x, middle, yerr=[low, high], lw=1.3, capsize=2, elinewidth=0.9, **style(s))
+    axes[0].axhline(missed_y, color="gray", lw=0.6, ls=":")
+    ticks = list(range(0, budget + 1, max(1, budget // 5)))
+    axes[0].set_yticks(ticks + [missed_y], [str(t) for t in ticks] + ["not reached"])
+    axes[0].set_ylim(0, missed_y * 1.08)
+    axes[0].set(ylabel="epochs to target (median, range over seeds)")
+    targets = sorted({r["target"] for r in records})
+    for target in targets:
+        axes[1].axhline(target, color="gray", lw=0.8, ls=(0, (4, 3)))
+    axes[1].set(ylabel="best test accuracy (median, range)")
+    batch = "/".join(str(b) for b in sorted({r["batch_per_replica"] for r in records}))
+    for axis in axes:
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(counts, [str(n) for n in counts])
+        axis.minorticks_off()
+        axis.set(xlabel=f"replicas N (batch {batch} each)")
+        axis.grid(alpha=0.3)
+    model = ", ".join(sorted({f"{r['model']} / {r['dataset']}" for r in records}))
+    _legend(fig, style, series)
+    fig.suptitle(f"{model}: more replicas at the same batch per replica, target {targets[-1]:g}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(records: list[dict], out: str) -> list[str]:
-    """Writes ``accuracy.png`` (test accuracy per epoch) and ``scaling.png``
-    (epochs and minutes to target against effective batch) to `out`; returns their paths."""
+    """Writes ``accuracy.png`` (test accuracy per epoch) and ``scaling.png`` to
+    `out`; returns their paths. ``scaling.png`` shows epochs and minutes to
+    target against the effective batch, or, for a sweep over the number of
+    replicas at one batch per replica, epochs to target and best accuracy
+    against N (median and range over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,5 +230,8 @@ def plot(records: list[dict], out: str) -> list[str]:
     style = _Style(records)
     paths = [os.path.join(out, "accuracy.png"), os.path.join(out, "scaling.png")]
     _accuracy(plt, records, style, paths[0])
-    _scaling(plt, records, style, paths[1])
+    if len({r["replicas"] for r in records}) > 1 and len({r["batch_per_replica"] for r in records}) == 1:
+        _replica_axis(plt, records, style, paths[1])
+    else:
+        _scaling(plt, records, style, paths[1])
     return paths

@@ -2,7 +2,9 @@
 ``--engine local-devices`` one process with N logical CPU devices (a
 MirroredStrategy), ``--engine tf-collective`` N worker processes of a
 MultiWorkerMirroredStrategy on localhost (via `tf_adasum.launch`) and
-``--engine mpi`` N ranks under ``mpirun``, one replica per process.
+``--engine mpi`` N ranks under ``mpirun``, one replica per process, and
+``--engine simulated`` one process computing the N replicas one after
+another (`tf_adasum.SimulatedReplicas`).
 
 `run_in_processes` (the parent) starts this module as a program, once or N
 times; each process loads the dataset, trains on its shard of the training
@@ -64,7 +66,7 @@ def run_in_processes(
     program = [os.path.abspath(__file__), json.dumps(dataclasses.asdict(config))]
     program += ["--data-dir", data_dir] if data_dir else []
     program += [] if stop_at_target else ["--no-stop"]
-    if config.engine == "local-devices":
+    if config.engine in ("local-devices", "simulated"):
         command, prefix = [sys.executable, *program], ""
     elif config.engine == "tf-collective":
         command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *program], "[worker 0] "
@@ -110,7 +112,7 @@ def run_in_processes(
 
 
 class _Processes:
-    """This process's place: the only process (local devices), a
+    """This process's place: the only process (local devices, simulated), a
     MultiWorkerMirroredStrategy worker or an MPI rank."""
 
     def __init__(self, engine: str, replicas: int):
@@ -127,7 +129,7 @@ class _Processes:
         elif engine == "tf-collective":
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
             self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
-        else:
+        elif engine == "mpi":
             from tf_adasum import mpi
 
             self.rank, self.size = mpi.rank(), mpi.size()

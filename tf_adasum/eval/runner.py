@@ -8,6 +8,12 @@ averaging, what users run today), ``keras-scaled`` the same with the learning
 rate scaled to the effective batch and warmed up (`learning_rate`); the others
 go through `tf_adasum.AdasumOptimizer` in delta mode with `local_steps` local
 steps per combine.
+
+On the ``simulated`` engine the others train `tf_adasum.SimulatedReplicas`
+with the same inner optimizer and settings, and the averaging baselines train
+the plain model on the whole global batch: N replicas averaging their
+gradients compute the mean gradient of that batch, the same method at every N
+(`tests/test_simulation.py` checks it against a strategy's replicas).
 """
 
 from __future__ import annotations
@@ -74,11 +80,12 @@ def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.opti
 
 def optimizer_for(config: RunConfig, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     """The configuration's optimizer: Adam at `learning_rate`, wrapped unless it
-    is one of the Keras baselines."""
+    is one of the Keras baselines or the engine is ``simulated`` (where
+    `compiled_model` wraps the model instead)."""
     import tf_adasum
 
     inner = keras.optimizers.Adam(learning_rate(config, steps_per_epoch))
-    if config.combiner in KERAS_BASELINES:
+    if config.combiner in KERAS_BASELINES or config.engine == "simulated":
         return inner
     return tf_adasum.AdasumOptimizer(inner, combiner=config.combiner, backward_passes_per_step=config.local_steps)
 
@@ -111,10 +118,18 @@ def logical_cpus(count: int) -> list[str]:
 
 
 def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
-    """The configuration's model, compiled with its optimizer (call in the strategy's scope)."""
+    """The configuration's model, compiled with its optimizer (call in the
+    strategy's scope); on the ``simulated`` engine, `tf_adasum.SimulatedReplicas`
+    around it (except for the averaging baselines)."""
     from tf_adasum.eval.models import build
 
     model = build(config.model)
+    if config.engine == "simulated" and config.combiner not in KERAS_BASELINES:
+        from tf_adasum.simulation import SimulatedReplicas
+
+        model = SimulatedReplicas(
+            model, config.replicas, combiner=config.combiner, backward_passes_per_step=config.local_steps
+        )
     model.compile(
         optimizer=optimizer_for(config, steps_per_epoch),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -1,0 +1,345 @@
+"""`SimulatedReplicas`: N data-parallel replicas of a Keras model, in one process.
+
+"What would Adasum do on 256 workers?", answered on a laptop. Each training
+step takes a global batch of N x b examples; replica i takes rows
+``[i*b, (i+1)*b)`` (as `tf.distribute.MirroredStrategy` splits a batch), and
+the replicas are computed one after another with exactly the semantics of
+`tf_adasum.AdasumOptimizer` on N real replicas:
+
+* delta mode (default): each replica has its own state of the inner optimizer
+  (its moments and its ``iterations``), takes its local step (K local steps
+  with ``backward_passes_per_step=K``) from the weights of the last combine,
+  and the N deltas are combined;
+* gradient mode: the N local mean gradients (over K passes) are combined and
+  the inner optimizer applies the result once;
+* a step in which any replica's gradient is not finite is skipped by all;
+* the combine is `tf_adasum.engines.simulated.SimulatedEngine`'s: the same
+  vector-halving tree, float64 partial sums and AdaCons as N replicas on the
+  CPUs of one process (tested bitwise against them at N = 4).
+
+Precision: the model's own dtype for the forward and backward passes and the
+inner step; the combine's dot products and coefficients in float64, as in
+`tf_adasum.reference`.
+
+Between combines of K local steps in delta mode, the wrapped model holds
+replica 0's weights (what a checkpoint of a strategy's replicas stores).
+Non-trainable state (e.g. BatchNormalization's moving statistics) is one copy
+that every replica's forward pass updates in turn. Memory: per replica one
+copy of the inner optimizer's state (and with K > 1 of the weights, or in
+gradient mode of the gradients); time: about N times one replica's step at
+batch b, plus the tree.
+
+Example:
+  >>> trainer = SimulatedReplicas(make_model(), num_replicas=256)
+  >>> trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+  >>> trainer.fit(x_train, y_train, batch_size=256 * 64, epochs=10)
+  >>> trainer.model.evaluate(x_test, y_test)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tf_adasum import adacons as adacons_lib
+from tf_adasum import combiners as combiners_lib
+from tf_adasum import keras_step, optimizer_args
+from tf_adasum.engines.simulated import CPU, SimulatedEngine, components, per_replica
+
+__all__ = ["SimulatedReplicas"]
+
+
+class SimulatedReplicas(keras.Model):
+    """Trains `model` as `num_replicas` replicas combined by `combiner` would
+    (see the module docstring); `compile` it with the inner optimizer.
+
+    Args:
+      model: a built Keras model (its variables are the replicas' weights).
+      num_replicas: N >= 1 simulated replicas; each step's batch must be a
+        multiple of N.
+      combiner: ``"adasum"``, ``"sum"``, ``"mean"``, ``"adacons"`` or a combiner
+        object from `tf_adasum.combiners`, as for `tf_adasum.AdasumOptimizer`.
+      mode: ``"delta"`` or ``"gradient"``, as for `tf_adasum.AdasumOptimizer`.
+      backward_passes_per_step: K >= 1 local steps (delta) or averaged
+        gradients (gradient mode) per combine.
+      name: the wrapper's name.
+
+    The inner optimizer must not be built yet (its state is copied per
+    replica when `compile` builds it) and must not be a LossScaleOptimizer.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        num_replicas: int,
+        combiner: str | combiners_lib.Combiner = "adasum",
+        mode: str = "delta",
+        backward_passes_per_step: int = 1,
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a keras.Model. Received: model of type {type(model).__name__}")
+        if not model.built:
+            raise ValueError(
+                f"`model` must be built (call it once, or give it an Input). Received: model={model.name!r}"
+            )
+        combiner = combiners_lib.get(combiner)
+        optimizer_args.check_settings(mode, backward_passes_per_step, False, "auto", False, combiner, None)
+        self.model = model
+        self.engine = SimulatedEngine(num_replicas)
+        self.num_replicas = num_replicas
+        self.combiner = combiner
+        self.mode = mode
+        self.backward_passes_per_step = backward_passes_per_step
+        self._state = None
+        self.built = True
+
+    def call(self, inputs, training=False):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", **kwargs: Any) -> None:
+        """As `keras.Model.compile`; `optimizer` is every replica's inner
+        optimizer. ``jit_compile`` defaults to False (XLA cannot compile the
+        replica loop's variable swaps on every device)."""
+        kwargs.setdefault("jit_compile", False)
+        super().compile(optimizer=optimizer, **kwargs)
+        inner = self.optimizer
+        optimizer_args.check_inner(inner)
+        keras_step.check_keras_internals(inner)
+        if inner.built:
+            raise ValueError(
+                "`optimizer` must not be built yet: SimulatedReplicas copies its state per replica when it "
+                f"builds it. Received: optimizer={inner.name!r}, already built"
+            )
+        before = {id(v) for v in inner.variables}
+        inner.build(self.model.trainable_variables)
+        # Per replica: what build() made (moments, ...) and the step count; the learning rate stays shared.
+        own = [v for v in inner.variables if id(v) not in before] + [inner.iterations]
+        self._state = _ReplicaState(self, [keras_step.tf_variable(v) for v in own])
+
+    def train_step(self, data):
+        if self._state is None:
+            raise RuntimeError("SimulatedReplicas: call compile() before training.")
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        shards = tf.nest.map_structure(self._shards, (x, y, sample_weight))
+        self._state.step(shards)
+        return self.get_metrics_result()
+
+    def _shards(self, t):
+        """``[N, b, ...]``: the rows of each replica, in order (None stays None)."""
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        n = self.num_replicas
+        if t.shape.rank and t.shape[0] is not None and t.shape[0] % n:
+            raise ValueError(
+                f"SimulatedReplicas: each batch must be a multiple of num_replicas={n} rows. "
+                f"Received: a batch of {t.shape[0]}"
+            )
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0] % n,
+            0,
+            message=f"SimulatedReplicas: each batch must be a multiple of num_replicas={n} rows",
+        )
+        with tf.control_dependencies([check]):
+            return tf.reshape(t, tf.concat([[n, -1], tf.shape(t)[1:]], axis=0))
+
+
+class _ReplicaState:
+    """Every simulated replica's own state, and the step over all of them."""
+
+    def __init__(self, trainer: SimulatedReplicas, own: list[tf.Variable]):
+        self.trainer = trainer
+        self.inner = trainer.optimizer
+        self.keras_variables = list(trainer.model.trainable_variables)
+        self.variables = [keras_step.tf_variable(v) for v in self.keras_variables]
+        self.own = own
+        n, k, delta = trainer.num_replicas, trainer.backward_passes_per_step, trainer.mode == "delta"
+
+        def stacked(variables, name, zeros=False):
+            values = [tf.zeros([n, *v.shape], v.dtype) if zeros else tf.stack([v] * n) for v in variables]
+            return [tf.Variable(x, trainable=False, name=f"{name}_{i}") for i, x in enumerate(values)]
+
+        with tf.device(CPU):
+            self.own_stacks = stacked(own, "replica_optimizer") if delta else []
+            self.weight_stacks = stacked(self.variables, "replica_weights") if delta and k > 1 else []
+            self.starts = []  # the weights at the last combine (delta mode, K > 1)
+            if delta and k > 1:
+                self.starts = [
+                    tf.Variable(v, trainable=False, name=f"cycle_start_{i}") for i, v in enumerate(self.variables)
+                ]
+            self.accumulators = stacked(self.variables, "replica_gradients", zeros=True) if not delta and k > 1 else []
+            self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_steps")
+            self.adacons = None
+            if not trainer.combiner.pairwise:
+                groups = len(self.variables) if trainer.combiner.per_tensor else 1
+                make = lambda name, shape, dtype: tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)  # noqa: E731
+                self.adacons = adacons_lib.AdaConsState.create(make, groups, n)
+
+    # -- one replica's part ------------------------------------------------------------
+
+    def _gradients(self, x, y, sample_weight):
+        trainer = self.trainer
+        with tf.GradientTape() as tape:
+            y_pred = trainer.model(x, training=True)
+            loss = trainer.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        grads = tape.gradient(loss, self.variables)
+        missing = [v.path for v, g in zip(self.keras_variables, grads) if g is None]
+        if missing:
+            raise ValueError(f"SimulatedReplicas: these variables have no gradient: {missing}")
+        for metric in trainer.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        trainer.compute_metrics(x, y, y_pred, sample_weight)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        return grads, finite
+
+    def _replica_delta_step(self, i, shard, start, is_first):
+        """Replica i's local step from its own weights (the combined ones at the
+        first step of a cycle) and its own optimizer state; returns its new
+        weights, its new state and whether its gradients were finite."""
+        if self.weight_stacks:
+            own_weights = lambda: [w[i] for w in self.weight_stacks]  # noqa: E731
+            sources = tf.cond(is_first, lambda: list(start), own_weights)
+        else:
+            sources = start
+        for variable, value in zip(self.variables, sources):
+            variable.assign(value)
+        for variable, stack in zip(self.own, self.own_stacks):
+            variable.assign(stack[i])
+        grads, finite = self._gradients(*shard)
+        self._inner_step(grads)
+        return [tf.identity(v) for v in self.variables], [tf.identity(v) for v in self.own], finite
+
+    def _replica_gradients(self, i, shard):
+        grads, finite = self._gradients(*shard)
+        if self.accumulators:
+            grads = [a[i] + g for a, g in zip(self.accumulators, grads)]
+        return grads, finite
+
+    # -- the step -----------------------------------------------------------------------
+
+    def _over_replicas(self, body, outputs_like):
+        """Runs ``body(i) -> (tensors, finite)`` for i = 0..N-1 in a loop;
+        returns each output stacked ``[N, ...]`` and whether all were finite."""
+        n = self.trainer.num_replicas
+        arrays = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape) for t in outputs_like]
+
+        def step(i, finite, arrays):
+            values, ok = body(i)
+            return i + 1, tf.logical_and(finite, ok), [a.write(i, v) for a, v in zip(arrays, values)]
+
+        _, finite, arrays = tf.while_loop(
+            lambda i, *_: i < n, step, (tf.constant(0), tf.constant(True), arrays), parallel_iterations=1
+        )
+        return [a.stack() for a in arrays], finite
+
+    def step(self, shards):
+        """One training step of every replica (every K-th also combines)."""
+        x, y, sample_weight = shards
+        shard = lambda i: tf.nest.map_structure(lambda t: None if t is None else t[i], (x, y, sample_weight))  # noqa: E731
+        k = self.trainer.backward_passes_per_step
+        is_first, is_last = tf.equal(self.count % k, 0), tf.equal((self.count + 1) % k, 0)
+        # The model holds the combined weights, or replica 0's within a cycle of K.
+        start = [tf.identity(v) for v in self.variables]
+        if self.trainer.mode == "delta":
+
+            def body(i):
+                weights, own, finite = self._replica_delta_step(i, shard(i), start, is_first)
+                return weights + own, finite
+
+            stacked, finite = self._over_replicas(body, self.variables + self.own)
+            weights, own = stacked[: len(self.variables)], stacked[len(self.variables) :]
+
+            def apply():
+                for stack, value in zip(self.own_stacks, own):
+                    stack.assign(value)
+                if k == 1:
+                    self._combine_deltas(weights, start)
+                else:
+                    tf.cond(is_first, lambda: self._begin_cycle(start), lambda: tf.constant(False))
+                    for stack, value in zip(self.weight_stacks, weights):
+                        stack.assign(value)
+                    tf.cond(is_last, lambda: self._end_cycle(weights), lambda: self._hold_replica_zero(weights))
+                self.count.assign_add(1)
+                return tf.constant(True)
+
+            def skip():
+                for variable, value in zip(self.variables, start):
+                    variable.assign(value)
+                return tf.constant(False)
+
+            tf.cond(finite, apply, skip)
+            for variable, stack in zip(self.own, self.own_stacks):  # replica 0's, as a checkpoint stores
+                variable.assign(stack[0])
+        else:
+            grads, finite = self._over_replicas(lambda i: self._replica_gradients(i, shard(i)), self.variables)
+
+            def apply():
+                if k == 1:
+                    self._apply_combined_gradients(grads)
+                else:
+                    for stack, value in zip(self.accumulators, grads):
+                        stack.assign(value)
+
+                    def finish():
+                        self._apply_combined_gradients([g / k for g in grads])
+                        for stack in self.accumulators:
+                            stack.assign(tf.zeros_like(stack))
+                        return tf.constant(True)
+
+                    tf.cond(is_last, finish, lambda: tf.constant(False))
+                self.count.assign_add(1)
+                return tf.constant(True)
+
+            tf.cond(finite, apply, lambda: tf.constant(False))
+
+    def _combine(self, stacked: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The combine of per-replica ``[N, ...]`` values; one copy of the result."""
+        values = [per_replica(tf.unstack(s)) for s in stacked]
+        combiner, engine = self.trainer.combiner, self.trainer.engine
+        if combiner.pairwise:
+            combined = engine.combine(values, combiner)
+        else:
+            rows = list(range(len(stacked))) if combiner.per_tensor else [0]
+            restore = combiner.restore_magnitude
+            restore = self.trainer.mode == "delta" if restore is None else restore
+            combined = adacons_lib.combine(engine, values, combiner, self.adacons, rows, restore)
+        return [components(c)[0] for c in combined]
+
+    def _combine_deltas(self, weights, start):
+        deltas = [w - tf.expand_dims(s, 0) for w, s in zip(weights, start)]
+        for variable, s, c in zip(self.variables, start, self._combine(deltas)):
+            variable.assign(s + c)
+        self._after_combine()
+
+    def _begin_cycle(self, start):
+        for s, value in zip(self.starts, start):
+            s.assign(value)
+        return tf.constant(True)
+
+    def _end_cycle(self, weights):
+        self._combine_deltas(weights, [tf.identity(s) for s in self.starts])
+        return tf.constant(True)
+
+    def _hold_replica_zero(self, weights):
+        for variable, w in zip(self.variables, weights):
+            variable.assign(w[0])
+        return tf.constant(False)
+
+    def _apply_combined_gradients(self, grads):
+        self._inner_step(self._combine(grads))
+        self._after_combine()
+
+    def _inner_step(self, grads):
+        """The inner optimizer's step with `grads`, as `tf_adasum.AdasumOptimizer`
+        takes it (in the default strategy's cross-replica context)."""
+        update = lambda strategy: keras_step.local_update(strategy, self.inner, grads, self.variables)  # noqa: E731
+        tf.distribute.get_replica_context().merge_call(update)
+
+    def _after_combine(self):
+        constrain = lambda strategy: keras_step.apply_constraints(strategy, self.keras_variables)  # noqa: E731
+        tf.distribute.get_replica_context().merge_call(constrain)
