@@ -263,6 +263,44 @@ def test_replicas_preset_survives_an_interruption_and_resumes(tmp_path):
     assert (out / "scaling.png").stat().st_size > 10_000
 
 
+def test_time_to_accuracy_per_interconnect():
+    """benchmarks/time_to_accuracy.py: the cost model's combine per link, and
+    scores from the median epochs over seeds and a step timed at N = 1."""
+    from multiprocess import TESTS, load_worker
+
+    tta = load_worker(os.path.join(TESTS, os.pardir, "benchmarks", "time_to_accuracy.py"))
+    constants = tta.DEFAULT_CONSTANTS
+    a, u = constants["a"], constants["u"]
+    size = 1e6
+    assert tta.combine_seconds("adasum", 1, size, constants, None) == 0.0
+    assert tta.combine_seconds("adasum", 4, size, constants, None) == pytest.approx((4 + 3) * a + u * size * 0.75)
+    ten_gbe = tta.LINKS["10 GbE"]
+    assert tta.combine_seconds("adasum", 4, size, constants, ten_gbe) == pytest.approx(
+        7 * a + (u + 2 / ten_gbe) * size * 0.75
+    )
+    ring = tta.combine_seconds("keras", 8, size, constants, None)
+    assert ring == pytest.approx(14 * constants["a_ring"] + constants["u_ring"] * size * 7 / 8)
+
+    recipe = [{**_record("keras", 1, 64, 1, [0.95]), "seed": s, "minutes_per_epoch": 0.25} for s in (0, 1, 2)]
+    adasum = [
+        {**_record("adasum", 4, 64, 1, curve), "seed": s}
+        for s, curve in enumerate([[0.5, 0.5, 0.95], [0.5, 0.5, 0.5, 0.95], [0.5] * 4])
+    ]
+    local = [{**_record("adasum", 4, 64, 4, [0.5] * 4), "seed": s} for s in (0, 1, 2)]
+    rows = tta.scores(recipe + adasum + local, constants)
+    row = {(r["link"], r["combiner"], r["local_steps"], r["replicas"]): r for r in rows}
+    steps = -(-60_000 // 256)
+    t_step = 0.25 * 60 / 938
+    combine = tta.combine_seconds("adasum", 4, tta.gradient_bytes("lenet5"), constants, ten_gbe)
+    mine = row[("10 GbE", "adasum", 1, 4)]
+    assert mine["epochs_to_target"] == 4  # the median of 3, 4 and "not reached"
+    assert mine["minutes_per_epoch"] == pytest.approx((steps * t_step + steps * combine) / 60, rel=1e-3)
+    assert mine["score"] == pytest.approx(4 * mine["minutes_per_epoch"], rel=1e-3)
+    assert row[("10 GbE", "adasum", 4, 4)]["score"] is None
+    assert row[("this machine", "adasum", 1, 4)]["score"] < row[("100 GbE", "adasum", 1, 4)]["score"] < mine["score"]
+    assert row[("10 GbE", "keras", 1, 1)]["combine_ms"] == 0.0
+
+
 # -- IDX data -------------------------------------------------------------------------------------
 
 
@@ -412,6 +450,21 @@ def test_plots_of_a_grid(tmp_path):
              for s in plots._series(records)}  # fmt: skip
     assert len(set(looks.values())) == len(looks) == 5
     assert style(("mean", 1), reached=False)["fillstyle"] == "none"
+
+
+def test_plots_of_a_replica_sweep(tmp_path):
+    """Several N at one batch per replica, three seeds: scaling.png shows epochs
+    and best accuracy against N; accuracy.png has one panel per N."""
+    curves = ([0.5, 0.95], [0.5, 0.6, 0.92], [0.5, 0.6, 0.7])
+    records = [
+        {**_record(combiner, n, 64, k, curves[(seed + n) % 3]), "seed": seed}
+        for combiner, k in (("adasum", 1), ("adasum", 4), ("keras", 1))
+        for n in (1, 2, 4, 8)
+        for seed in (0, 1, 2)
+    ]
+    paths = plots.plot(records, str(tmp_path))
+    assert all(os.path.getsize(p) > 10_000 for p in paths)
+    assert plots._series(records) == [("adasum", 1), ("adasum", 4), ("keras", 1)]
 
 
 # -- quiet output ---------------------------------------------------------------------------

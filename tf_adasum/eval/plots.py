@@ -88,8 +88,14 @@ def _legend(fig, style: _Style, series: list[tuple[str, int]], extra: list | Non
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), per_row), fontsize=8, frameon=False)
 
 
-def _accuracy(plt, records: list[dict], style: _Style, path: str) -> None:
-    key = lambda r: (r["model"], r["dataset"], r["replicas"], r["effective_batch"])  # noqa: E731
+def _accuracy(plt, records: list[dict], style: _Style, path: str, per_replica_count: bool = False) -> None:
+    """One panel per model, dataset, replica count and effective batch, or,
+    with `per_replica_count`, per model, dataset and replica count (the
+    replica sweep, where K local steps change the effective batch)."""
+    if per_replica_count:
+        key = lambda r: (r["model"], r["dataset"], r["replicas"], None)  # noqa: E731
+    else:
+        key = lambda r: (r["model"], r["dataset"], r["replicas"], r["effective_batch"])  # noqa: E731
     groups = list(dict.fromkeys(key(r) for r in records))
     fig, axes = _grid(plt, len(groups), 5.2, 3.6)
     for axis, group in zip(axes, groups):
@@ -102,7 +108,8 @@ def _accuracy(plt, records: list[dict], style: _Style, path: str) -> None:
         for target in sorted({r["target"] for r in runs}):
             axis.axhline(target, color="gray", lw=0.8, ls=(0, (4, 3)))
         model, dataset, replicas, batch = group
-        axis.set_title(f"{model} / {dataset}, N={replicas}, effective batch {batch}", fontsize=9)
+        shown = f"effective batch {batch}" if batch is not None else f"batch {runs[0]['batch_per_replica']} per replica"
+        axis.set_title(f"{model} / {dataset}, N={replicas}, {shown}", fontsize=9)
         axis.set(xlabel="epoch", ylabel="test accuracy")
         axis.grid(alpha=0.3)
         longest = max(len(r["accuracy_per_epoch"]) for r in runs)
@@ -229,8 +236,9 @@ def plot(records: list[dict], out: str) -> list[str]:
 
     style = _Style(records)
     paths = [os.path.join(out, "accuracy.png"), os.path.join(out, "scaling.png")]
-    _accuracy(plt, records, style, paths[0])
-    if len({r["replicas"] for r in records}) > 1 and len({r["batch_per_replica"] for r in records}) == 1:
+    replica_axis = len({r["replicas"] for r in records}) > 1 and len({r["batch_per_replica"] for r in records}) == 1
+    _accuracy(plt, records, style, paths[0], per_replica_count=replica_axis)
+    if replica_axis:
         _replica_axis(plt, records, style, paths[1])
     else:
         _scaling(plt, records, style, paths[1])
