@@ -91,7 +91,8 @@ def test_replicas_preset_grows_n_at_the_recipe_batch():
     assert {(c.model, c.engine, c.batch_per_replica, c.lr, c.schedule, c.target, c.epochs) for c in configs} == {
         ("lenet_caffe", "simulated", 64, 1e-3, "cosine", 0.993, 10)
     }
-    assert [c.replicas for c in configs] == sorted(c.replicas for c in configs)  # in order of N (stops_early)
+    order = [(c.seed, c.replicas) for c in configs]
+    assert order == sorted(order)  # seed by seed, each in order of N (stops_early)
 
 
 def _outcome(combiner, n, seed, reached, local_steps=1):

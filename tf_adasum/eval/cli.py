@@ -84,13 +84,15 @@ def _replicas() -> list[RunConfig]:
     learning rate, N = 1 to 256 (effective batch 64 to 16384), seeds 0, 1, 2;
     Adasum, Adasum with 4 local steps of batch 64, AdaCons, and the averaging
     baselines at each effective batch. N replicas are simulated in one process
-    (`tf_adasum.SimulatedReplicas`). In order of N, so that `stops_early` can
-    skip AdaCons and local steps past two consecutive N where every seed failed."""
+    (`tf_adasum.SimulatedReplicas`). Seed by seed, each in order of N: a
+    grid cut short still spans every N, and `stops_early` can skip AdaCons and
+    local steps past two consecutive N where every seed run so far failed (a
+    later seed that reaches the target there brings them back on `--resume`)."""
     common = dict(model="lenet_caffe", dataset="mnist", engine="simulated", batch_per_replica=64, lr=1e-3)
     common.update(target=0.993, epochs=10)
     configs = []
-    for n in REPLICA_COUNTS:
-        for seed in (0, 1, 2):
+    for seed in (0, 1, 2):
+        for n in REPLICA_COUNTS:
             for combiner, k in (("adasum", 1), ("adasum", 4), ("adacons", 1), ("keras", 1), ("keras-scaled", 1)):
                 configs.append(RunConfig(combiner=combiner, local_steps=k, replicas=n, seed=seed, **common))
     return configs
@@ -106,9 +108,11 @@ def _same_method(config: RunConfig) -> tuple:
 
 def stops_early(config: RunConfig, records: list[dict]) -> bool:
     """Whether the replica sweep skips `config`: AdaCons and Adasum with local
-    steps stop once every seed failed the target at two consecutive N below
-    (a larger N does not rescue them; Adasum and the averaging baselines always
-    run to the end, so their rows are complete)."""
+    steps stop once every seed recorded so far failed the target at two
+    consecutive N below (a larger N does not rescue them; Adasum and the
+    averaging baselines always run to the end, so their rows are complete).
+    Judged on `records` each time: a skipped run comes back once a seed
+    reaches the target at one of those N."""
     if not (config.combiner == "adacons" or config.local_steps > 1):
         return False
     outcomes: dict[int, list[bool]] = {}
