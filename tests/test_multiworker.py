@@ -1,6 +1,7 @@
 """MultiWorkerMirroredStrategy across real worker processes on localhost, and
 the `tf-adasum launch` launcher. Each test starts its own cluster."""
 
+import json
 import os
 import signal
 import subprocess
@@ -75,6 +76,38 @@ def test_collective_over_tf_collective_ops_across_workers(n, tmp_path):
         results = np.load(tmp_path / f"collective_rank{r}.npz")
         bits = [k for k in results.files if k.startswith("bits")]
         assert bits and all(results[k].tobytes() == results[f"socket_{k}"].tobytes() for k in bits), r
+
+
+def _collective_results(out, n):
+    return [np.load(out / f"collective_rank{r}.npz") for r in range(n)]
+
+
+def test_socket_port_is_the_tf_port_plus_the_offset_on_the_specified_address(tmp_path):
+    """TF_ADASUM_WORKER_PORT_OFFSET: each worker's socket transport listens on
+    its TF_CONFIG port plus the offset, on the address TF_CONFIG names
+    (localhost), so a firewall that opens those ports lets it through."""
+    _launch(2, "collective", tmp_path, TF_ADASUM_WORKER_PORT_OFFSET="1000")
+    check_collective(tmp_path, 2)
+    check_over_sockets(tmp_path, 2)
+    for r, result in enumerate(_collective_results(tmp_path, 2)):
+        host, port = result["listener"]
+        assert int(port) == int(result["tf_port"]) + 1000, r
+        assert host in ("127.0.0.1", "::1"), r  # localhost, not every interface
+        assert list(result["fallback_warnings"]) == [], r
+
+
+def test_an_unusable_socket_port_makes_every_worker_fall_back_together(tmp_path):
+    """Worker 1's socket port is taken: every worker warns once, naming the
+    port variable, and combines over TF collective ops; the results are right
+    and no worker hangs."""
+    _launch(3, "collective", tmp_path, TF_ADASUM_WORKER_PORT_OFFSET="1000", TEST_OCCUPY_SOCKET_PORT="1")
+    check_collective(tmp_path, 3)
+    for r, result in enumerate(_collective_results(tmp_path, 3)):
+        (warning,) = result["fallback_warnings"]
+        assert "TF_ADASUM_WORKER_PORT_OFFSET" in warning and "collective ops instead" in warning, warning
+        tf_port = int(json.loads(result["tf_config"].item())["cluster"]["worker"][1].rsplit(":", 1)[1])
+        assert f"cannot listen: worker process 1 on localhost:{tf_port + 1000}" in warning, warning
+        assert not any(name.startswith("tf_adasum reader") for name in result["transport_threads"]), r
 
 
 def test_mismatched_variables_raise_on_every_worker(tmp_path):

@@ -231,3 +231,42 @@ def test_a_transport_set_differently_on_the_workers_is_an_error(monkeypatch):
     monkeypatch.setattr(tf_engine.cluster, "task_index", lambda strategy: 0)
     with pytest.raises(ValueError, match="Received: TF_ADASUM_WORKER_TRANSPORT='collective' on this worker"):
         engine.check_same_variables(variables)
+
+
+def test_port_offset_variable(monkeypatch):
+    monkeypatch.delenv("TF_ADASUM_WORKER_PORT_OFFSET", raising=False)
+    assert tf_engine.worker_port_offset() == 0
+    monkeypatch.setenv("TF_ADASUM_WORKER_PORT_OFFSET", "100")
+    assert tf_engine.worker_port_offset() == 100
+    for bad in ("0", "70000", "ten"):
+        monkeypatch.setenv("TF_ADASUM_WORKER_PORT_OFFSET", bad)
+        with pytest.raises(ValueError, match=f"Received: TF_ADASUM_WORKER_PORT_OFFSET='{bad}'"):
+            tf_engine.worker_port_offset()
+
+
+def test_listener_takes_the_specified_address_and_port():
+    free = sockets.Listener("127.0.0.1")
+    port = free.port
+    free.socket.close()
+    listener = tf_engine._listen(("127.0.0.1", port - 7), 7)
+    assert listener.socket.getsockname()[:2] == ("127.0.0.1", port)
+    with pytest.raises(OSError):  # taken: the engine's workers then fall back together
+        tf_engine._listen(("127.0.0.1", port - 7), 7)
+    with pytest.raises(OSError, match="above 65535"):
+        tf_engine._listen(("127.0.0.1", 65000), 1000)
+    # An address that is not this machine's (e.g. behind NAT): every interface, at that port.
+    anywhere = tf_engine._listen(("192.0.2.1", 0), 0)
+    assert anywhere.socket.getsockname()[0] in ("0.0.0.0", "::")
+
+
+def test_try_connect_reports_unreachable_peers_without_raising():
+    listeners = [sockets.Listener("127.0.0.1") for _ in range(3)]
+    closed = listeners[2].port
+    listeners[2].socket.close()  # nothing listens there any more
+    addresses = [("127.0.0.1", listener.port) for listener in listeners[:2]] + [("127.0.0.1", closed)]
+    tokens = [listener.token for listener in listeners]
+    sockets.Mesh(listeners[1], 1, addresses, tokens, 10)
+    mesh = sockets.Mesh(listeners[0], 0, addresses, tokens, 10)
+    failures = mesh.try_connect([1, 2], time.monotonic() + 5)
+    assert len(failures) == 1 and f"127.0.0.1:{closed}" in failures[0], failures
+    assert mesh.link(1, time.monotonic() + 5) is not None  # the reachable peer is connected

@@ -21,10 +21,12 @@ simulation, so the oracle lives in the tests):
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
 import traceback
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -42,6 +44,7 @@ import tf_adasum.mpi  # noqa: E402
 from tf_adasum.comm import collective  # noqa: E402
 from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
+from tf_adasum.engines import tf as tf_engine  # noqa: E402
 from tf_adasum.engines.mpi import MPIEngine  # noqa: E402
 
 #: Collective timeout: a bug fails the run instead of hanging it.
@@ -118,19 +121,39 @@ def dense_model(seed: int, units: int = OUT):
     return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(units)])
 
 
+def _tf_port(rank: int) -> int:
+    return int(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][rank].rsplit(":", 1)[1])
+
+
 def run_collective(engine, out):
     inputs = collective_inputs(engine.rank)
     tensors = [tf.cast(tf.constant(x), dtype) for x, dtype in zip(inputs, tensor_dtypes())]
-    combined = engine.combine(tensors)
+    occupant = None  # ``TEST_OCCUPY_SOCKET_PORT=R``: rank R's socket port is taken before the combine
+    if os.environ.get("TEST_OCCUPY_SOCKET_PORT") == str(engine.rank):
+        offset = int(os.environ["TF_ADASUM_WORKER_PORT_OFFSET"])
+        occupant = socket.create_server(("", _tf_port(engine.rank) + offset))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        combined = engine.combine(tensors)
+    fallbacks = [str(w.message) for w in caught if "socket transport" in str(w.message)]
+    meshes = [mesh for mesh in tf_engine._MESHES.values() if mesh is not None]
+    listener = [str(a) for a in meshes[0]._listener.socket.getsockname()[:2]] if meshes else []
+    tf_port = _tf_port(engine.rank) if engine.strategy is not None and "TF_CONFIG" in os.environ else 0
     # What carried it between processes: the socket transport's threads, if any.
     transport_threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("tf_adasum "))
     also = {}
     if os.environ.get("TEST_ALSO_OVER_SOCKETS"):  # the same combine again, over the socket transport
         os.environ["TF_ADASUM_WORKER_TRANSPORT"] = "sockets"
         also = {f"socket_bits{i}": c.view(np.uint8) for i, c in enumerate(engine.combine(tensors))}
+    if occupant is not None:
+        occupant.close()
     np.savez(
         os.path.join(out, f"collective_rank{engine.rank}.npz"),
         transport_threads=np.array(transport_threads, dtype=str),
+        fallback_warnings=np.array(fallbacks, dtype=str),
+        listener=np.array(listener, dtype=str),
+        tf_port=tf_port,
+        tf_config=os.environ.get("TF_CONFIG", ""),
         **also,
         **{f"bits{i}": c.view(np.uint8) for i, c in enumerate(combined)},
         **{f"value{i}": c.astype(np.float64) for i, c in enumerate(combined)},

@@ -6,7 +6,8 @@
   strategy itself assumes).
 * `cluster_devices`: every replica's device in global replica order, and the
   ranks of this process's replicas.
-* `task_hosts`: the host of every worker, in the same order.
+* `task_addresses`, `task_hosts`: the ``(host, port)`` (the host) of every
+  worker, in the same order.
 * `process_of`, `is_cpu`: what a device string says of its process and type.
 
 Only public API: ``num_replicas_in_sync``, ``extended.worker_devices`` and the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["cluster_devices", "is_cpu", "num_workers", "process_of", "task_hosts", "task_index"]
+__all__ = ["cluster_devices", "is_cpu", "num_workers", "process_of", "task_addresses", "task_hosts", "task_index"]
 
 #: The task types that hold replicas, in the strategy's replica order.
 _REPLICA_JOBS = ("chief", "worker")
@@ -75,15 +76,21 @@ def _tasks(strategy) -> list[tuple[str, int]]:
     return tasks
 
 
-def task_hosts(strategy) -> list[str]:
-    """The host of every worker (chief first, then workers by index), from the
-    cluster spec's ``host:port`` addresses."""
+def task_addresses(strategy) -> list[tuple[str, int]]:
+    """The ``(host, port)`` of every worker (chief first, then workers by
+    index), from the cluster spec's ``host:port`` addresses (an IPv6 host
+    without its brackets)."""
     spec = strategy.cluster_resolver.cluster_spec()
-    hosts = []
+    addresses = []
     for job, task in _tasks(strategy):
-        host = spec.task_address(job, task).rsplit(":", 1)[0]
-        hosts.append(host[1:-1] if host.startswith("[") else host)
-    return hosts
+        host, port = spec.task_address(job, task).rsplit(":", 1)
+        addresses.append((host[1:-1] if host.startswith("[") else host, int(port)))
+    return addresses
+
+
+def task_hosts(strategy) -> list[str]:
+    """The host of every worker, in the order of `task_addresses`."""
+    return [host for host, _ in task_addresses(strategy)]
 
 
 def task_index(strategy) -> int:

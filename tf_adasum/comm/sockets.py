@@ -8,8 +8,9 @@ messages, so this transport sends each one from the tensor's memory over one
 TCP connection per pair of processes, and the receiving thread reads it into
 the memory the result lives in: one copy into the kernel and one out.
 
-* `Listener`: this process's listening socket (every interface, a port the
-  system picks) and a random token a peer must present when it connects.
+* `Listener`: this process's listening socket (an address and port of the
+  engine's choice, by default every interface and a port the system picks)
+  and a random token a peer must present when it connects.
 * `Mesh`: one process's connections to its peers, made on first use (the
   lower index connects), each read by a thread of its own. A message carries
   a 64-bit tag; the k-th message a peer sends with a tag fills the k-th
@@ -93,18 +94,29 @@ def _tune(sock: socket.socket) -> None:
 
 
 class Listener:
-    """A listening socket on every interface, on a port the system picks.
+    """A listening socket.
+
+    Args:
+      host: the address to listen on (a name is resolved; its first address
+        is taken); None: every interface.
+      port: the port; 0: one the system picks.
+
+    Raises:
+      OSError: the address is not this machine's (``EADDRNOTAVAIL``), or the
+        port is taken (``EADDRINUSE``).
 
     Attributes:
       port: the port; token: a random 52-bit number (exact in float64) that
         peers present when they connect, so a stray connection is refused.
     """
 
-    def __init__(self):
-        if socket.has_dualstack_ipv6():
-            self.socket = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    def __init__(self, host: str | None = None, port: int = 0):
+        if host is not None:
+            self.socket = socket.create_server((host, port))
+        elif socket.has_dualstack_ipv6():
+            self.socket = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
         else:
-            self.socket = socket.create_server(("", 0))
+            self.socket = socket.create_server(("", port))
         self.port = self.socket.getsockname()[1]
         self.token = secrets.randbits(52)
 
@@ -378,6 +390,18 @@ class Mesh:
             if sock is not None:
                 sock.close()
             raise _error(tf.errors.UnavailableError, f"cannot connect to {self._name(peer)}: {error}.") from None
+
+    def try_connect(self, peers: Sequence[int], deadline: float | None) -> list[str]:
+        """Connects to each of `peers` with a higher index (this process is
+        the one that connects to them) until `deadline`; returns what failed,
+        one message per peer, and raises nothing."""
+        failures = []
+        for peer in sorted(p for p in set(peers) if p > self.index):
+            try:
+                self.link(peer, deadline)
+            except tf.errors.OpError as error:
+                failures.append(error.message.removeprefix("tf_adasum socket transport: "))
+        return failures
 
     def connect(self, peers: Sequence[int], deadline: float | None) -> None:
         """Makes (or awaits) the connections to `peers` now, so that a peer

@@ -10,16 +10,21 @@ tree (one CPU per worker, or the cross-worker scope of the hierarchical
 combine), the tree's messages travel over this process's socket mesh
 (`tf_adasum.comm.sockets`, `tf_adasum.comm.socket_communicator`), set up on
 the first such combine with one tiny exchange of listening ports over TF
-collective ops; elsewhere, and when ``TF_ADASUM_WORKER_TRANSPORT=collective``,
-over TF collective ops (`tf_adasum.comm.collective.TFCollectiveCommunicator`,
-gRPC between processes).
+collective ops (each worker listens on the address its cluster spec names,
+on its TF port plus ``TF_ADASUM_WORKER_PORT_OFFSET`` if set); elsewhere, when
+``TF_ADASUM_WORKER_TRANSPORT=collective``, and on every worker together when
+a worker could not listen on or reach a port (one warning), over TF
+collective ops (`tf_adasum.comm.collective.TFCollectiveCommunicator`, gRPC
+between processes).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,13 +43,19 @@ from tf_adasum.engines.base import (
     small_digests,
 )
 
-__all__ = ["TFEngine", "sum_over_workers", "worker_transport"]
+__all__ = ["TFEngine", "sum_over_workers", "worker_port_offset", "worker_transport"]
 
 #: Between the CPUs of worker processes: "sockets" (default) or "collective".
 TRANSPORT_VARIABLE = "TF_ADASUM_WORKER_TRANSPORT"
 _TRANSPORTS = ("sockets", "collective")
+#: The socket transport's port: this worker's TF_CONFIG port plus this offset (unset: one the system picks).
+PORT_OFFSET_VARIABLE = "TF_ADASUM_WORKER_PORT_OFFSET"
+#: How long a worker tries to reach a peer's socket port at set-up, before every worker falls back.
+SETUP_CONNECT_SECONDS = 60.0
 
-_MESHES: dict[tuple, sockets.Mesh] = {}
+# Per process and set of devices: its socket mesh, or None once the workers
+# agreed to fall back to TF collective ops (a port that could not be opened or reached).
+_MESHES: dict[tuple, sockets.Mesh | None] = {}
 _MESHES_LOCK = threading.Lock()
 
 
@@ -62,6 +73,40 @@ def worker_transport() -> str:
     if value not in _TRANSPORTS:
         raise ValueError(f"{TRANSPORT_VARIABLE} must be one of {_TRANSPORTS}. Received: {TRANSPORT_VARIABLE}={value!r}")
     return value
+
+
+def worker_port_offset() -> int:
+    """The offset ``TF_ADASUM_WORKER_PORT_OFFSET`` asks for (0: unset, the
+    system picks the socket transport's port)."""
+    value = os.environ.get(PORT_OFFSET_VARIABLE, "")
+    if not value:
+        return 0
+    try:
+        offset = int(value)
+    except ValueError:
+        offset = 0
+    if not 1 <= offset <= 65535:
+        raise ValueError(
+            f"{PORT_OFFSET_VARIABLE} must be an integer from 1 to 65535 (the socket transport listens on the "
+            f"worker's TF_CONFIG port plus it). Received: {PORT_OFFSET_VARIABLE}={value!r}"
+        )
+    return offset
+
+
+def _listen(address: tuple[str, int], offset: int) -> sockets.Listener:
+    """This worker's listener: on the address its cluster spec names (on every
+    interface where that address is not this machine's, e.g. behind NAT),
+    at the TF port plus `offset` (0: a port the system picks)."""
+    host, tf_port = address
+    port = tf_port + offset if offset else 0
+    if port > 65535:
+        raise OSError(f"port {tf_port} + {PORT_OFFSET_VARIABLE}={offset} is above 65535")
+    try:
+        return sockets.Listener(host, port)
+    except OSError as error:
+        if error.errno != errno.EADDRNOTAVAIL:
+            raise
+        return sockets.Listener(None, port)
 
 
 def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float | None = None) -> list[float]:
@@ -145,6 +190,7 @@ class TFEngine(Engine):
         self._eager_fns: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         self.transport = worker_transport()
+        self.port_offset = worker_port_offset()
         # Each device's process, numbered in the workers' order (their order in `devices`).
         of = {d: cluster.process_of(d) for d in self.devices}
         numbers = {p: i for i, p in enumerate(dict.fromkeys(of.values()))}
@@ -188,34 +234,86 @@ class TFEngine(Engine):
             len({self._process_of(d) for d in tree}) == len(tree) > 1 for tree, _ in trees
         )
 
-    def _mesh(self) -> sockets.Mesh:
+    def _mesh_key(self) -> tuple:
+        return (self.devices, float(self.options.timeout_seconds or 0))
+
+    def _mesh(self) -> sockets.Mesh | None:
         """This process's socket mesh for the workers of this engine, made
         once per process (every worker makes it at the same point: the first
-        combine over sockets), its ports exchanged with `sum_over_workers`."""
+        combine over sockets), its ports exchanged with `sum_over_workers`;
+        None once the workers fell back to TF collective ops (`_fall_back`),
+        here when a worker could not listen on its port."""
         timeout = float(self.options.timeout_seconds or 0)
-        key = (self.devices, timeout)
+        key = self._mesh_key()
         with _MESHES_LOCK:
             if key not in _MESHES:
-                listener = sockets.Listener()
                 me, count = self._process_of(self.devices[self.ranks[0]]), self.num_workers
+                specified = cluster.task_addresses(self.strategy)
+                listener, reason = None, ""
+                try:
+                    listener = _listen(specified[me], self.port_offset)
+                except OSError as error:
+                    reason = f": {error.strerror or error}"
                 mine = [0.0] * (2 * count)
-                mine[2 * me : 2 * me + 2] = [float(listener.port), float(listener.token)]
+                if listener is not None:
+                    mine[2 * me : 2 * me + 2] = [float(listener.port), float(listener.token)]
                 totals = sum_over_workers(self.strategy, mine, timeout)
-                hosts = cluster.task_hosts(self.strategy)
-                addresses = [(hosts[w], int(totals[2 * w])) for w in range(count)]
-                tokens = [int(totals[2 * w + 1]) for w in range(count)]
-                _MESHES[key] = sockets.Mesh(listener, me, addresses, tokens, timeout)
+                unable = [w for w in range(count) if totals[2 * w] == 0]
+                if unable:
+                    _MESHES[key] = None
+
+                    def wanted(w):
+                        host, port = specified[w]
+                        return f"{host}:{port + self.port_offset}" if self.port_offset else f"{host}, any port"
+
+                    where = ", ".join(f"worker process {w} on {wanted(w)}" for w in unable)
+                    self._warn_fallback(f"cannot listen: {where}{reason}")
+                else:
+                    addresses = [(specified[w][0], int(totals[2 * w])) for w in range(count)]
+                    tokens = [int(totals[2 * w + 1]) for w in range(count)]
+                    _MESHES[key] = sockets.Mesh(listener, me, addresses, tokens, timeout)
             return _MESHES[key]
+
+    def _links_agreed(self, mesh: sockets.Mesh, peers: Sequence[int]) -> bool:
+        """Connects to `peers` on every worker together: first the links this
+        worker opens, within `SETUP_CONNECT_SECONDS`, then one exchange that
+        tells every worker whether all of them succeeded; if one did not, every
+        worker falls back to TF collective ops (one warning). Else the links
+        the peers opened are waited for (made by then)."""
+        timeout = self.options.timeout_seconds
+        failures = mesh.try_connect(
+            peers, time.monotonic() + min(timeout or SETUP_CONNECT_SECONDS, SETUP_CONNECT_SECONDS)
+        )
+        (failed,) = sum_over_workers(self.strategy, [float(bool(failures))], timeout)
+        if failed:
+            with _MESHES_LOCK:
+                _MESHES[self._mesh_key()] = None
+            self._warn_fallback("; ".join(failures) or f"{int(failed)} worker process(es) could not reach a peer")
+            return False
+        mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
+        return True
+
+    def _warn_fallback(self, problem: str) -> None:
+        warnings.warn(
+            f"tf_adasum: the socket transport between worker processes could not be set up ({problem}). "
+            "Every worker combines over TensorFlow's collective ops instead (slower on CPUs). To use it, open "
+            f"each worker's socket port in the firewall: set {PORT_OFFSET_VARIABLE} to make it the worker's "
+            "TF_CONFIG port plus that offset.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _build(self, values, combiner, scope):
         timeout = self.options.timeout_seconds
         trees = self._trees(scope)
-        if self._over_sockets(trees):
-            mesh = self._mesh()
+        mesh = self._mesh() if self._over_sockets(trees) else None
+        if mesh is not None:
             # Every worker builds this combine at the same point: connect now,
             # so that a peer dying later closes a connection being read.
             peers = [self._process_of(tree[p]) for tree, rank in trees for p in _partners(len(tree), rank)]
-            mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
+            if not self._links_agreed(mesh, peers):
+                mesh = None
+        if mesh is not None:
             comms = [
                 socket_communicator.SocketCommunicator(tree, rank, [self._process_of(d) for d in tree], mesh)
                 for tree, rank in trees
