@@ -16,6 +16,8 @@ model of `benchmarks/cost_model.py` for the model's gradient bytes S,
 one replica per machine:
 
   adasum         the vector-halving tree:  (2p + p(p+1)/2) a + u_link S (1 - 2^-p)
+                 for N = 2^p (otherwise a fold adds 2 messages and S bytes)
+  mean, sum      the tree with a plain sum: 2p a + u_link S (1 - 2^-p)
   adacons        two trees with a plain sum (2p a + u_link S (1 - 2^-p) each),
                  and a gather of 2N scalars (p messages)
   keras(-scaled) TensorFlow's ring all-reduce: 2 (N-1) a' + u'_link S (N-1)/N
@@ -74,6 +76,8 @@ def combine_seconds(combiner: str, n: int, size: float, constants: dict, rate: f
         return 2 * (n - 1) * a_ring + (u_ring + wire) * size * (n - 1) / n
     if combiner == "adasum":
         return (2 * p + p * (p + 1) // 2 + fold_messages) * a + (u + wire) * moved
+    if combiner in ("mean", "sum"):  # the tree with a plain sum: no float64 partial sums
+        return (2 * p + fold_messages) * a + (u + wire) * moved
     if combiner == "adacons":
         return 2 * ((2 * p + fold_messages) * a + (u + wire) * moved) + p * a
     raise ValueError(f"No communication model for `combiner`={combiner!r}")
@@ -127,7 +131,7 @@ def scores(records: list[dict], constants: dict, step_ms: float | None = None) -
             combine = combine_seconds(combiner, n, sizes[model], constants, rate)
             minutes = (steps * t_step + steps / k * combine) / 60.0
             reached = [r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf for r in runs]
-            epochs = statistics.median(reached)
+            epochs = statistics.median_high(reached)
             rows.append({
                 "link": link, "model": model, "dataset": dataset, "combiner": combiner, "local_steps": k,
                 "replicas": n, "batch_per_replica": batch, "seeds": len(runs),

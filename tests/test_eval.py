@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tf_adasum.eval import cli, data, metrics, plots, quiet
+from tf_adasum.eval import cli, data, metrics, plots, quiet, summary
 from tf_adasum.eval.runner import RunConfig
 
 # -- metrics on synthetic accuracy curves ------------------------------------------------
@@ -106,16 +106,16 @@ def test_stops_early_after_two_consecutive_n_where_every_seed_failed():
     )
     records = [_outcome("adacons", 4, seed, seed == 1) for seed in (0, 1, 2)]  # one seed reached it
     records += [_outcome("adacons", 8, seed, False) for seed in (0, 1, 2)]
-    assert not cli.stops_early(config("adacons", 16), records)  # only one N failed every seed
+    assert not summary.stops_early(config("adacons", 16), records)  # only one N failed every seed
     records += [_outcome("adacons", 16, seed, False) for seed in (0, 1, 2)]
-    assert cli.stops_early(config("adacons", 32), records)
-    assert not cli.stops_early(config("adacons", 16), records)  # judged on smaller N only
+    assert summary.stops_early(config("adacons", 32), records)
+    assert not summary.stops_early(config("adacons", 16), records)  # judged on smaller N only
     failed_adasum = [_outcome("adasum", n, seed, False) for n in (4, 8) for seed in (0, 1, 2)]
-    assert not cli.stops_early(config("adasum", 16), failed_adasum)  # Adasum always runs to the end
+    assert not summary.stops_early(config("adasum", 16), failed_adasum)  # Adasum always runs to the end
     local = [_outcome("adasum", n, seed, False, local_steps=4) for n in (4, 8) for seed in (0, 1, 2)]
-    assert cli.stops_early(config("adasum", 16, 4), local)
-    assert not cli.stops_early(config("adasum", 16, 4), local + [_outcome("adasum", 8, 3, True, 4)])
-    assert not cli.stops_early(config("adasum", 16), local)  # K = 1 is another method
+    assert summary.stops_early(config("adasum", 16, 4), local)
+    assert not summary.stops_early(config("adasum", 16, 4), local + [_outcome("adasum", 8, 3, True, 4)])
+    assert not summary.stops_early(config("adasum", 16), local)  # K = 1 is another method
 
 
 def test_seed_summary_reports_median_and_range():
@@ -125,12 +125,13 @@ def test_seed_summary_reports_median_and_range():
         {**_record("adasum", 8, 64, 1, [0.5, 0.6, 0.7]), "seed": 2},
         {**_record("keras", 8, 64, 1, [0.91]), "seed": 0},
     ]
-    lines = cli.seed_summary(records).splitlines()
-    assert lines[0].split()[:6] == ["model", "combiner", "K", "N", "eff.batch", "seeds"]
-    assert lines[2].split() == ["lenet5", "adasum", "1", "8", "512", "3", "3", "2->4", "0.9200", "0.7000-0.9700"]
-    assert lines[3].split() == ["lenet5", "keras", "1", "8", "512", "1", "1", "1-1", "0.9100", "0.9100-0.9100"]
-    all_missed = [{**_record("mean", 2, 64, 1, [0.5]), "seed": s} for s in (0, 1)]
-    assert cli.seed_summary(all_missed).splitlines()[2].split()[6:8] == [">4", ">4->4"]
+    lines = summary.seed_summary(records).splitlines()
+    assert lines[0].split()[:7] == ["model", "data", "combiner", "K", "N", "eff.batch", "seeds"]
+    row = ["lenet5", "mnist", "adasum", "1", "8", "512", "3", "3", "2", "to", ">4", "0.9200", "0.7000", "to", "0.9700"]
+    assert lines[2].split() == row
+    assert lines[3].split()[7:] == ["1", "1", "to", "1", "0.9100", "0.9100", "to", "0.9100"]
+    half_missed = [{**_record("mean", 2, 64, 1, curve), "seed": s} for s, curve in enumerate([[0.5], [0.95]])]
+    assert summary.seed_summary(half_missed).splitlines()[2].split()[7:11] == [">4", "1", "to", ">4"]
 
 
 def test_learning_rate_schedules():
@@ -156,11 +157,11 @@ def test_largest_reached():
         _record("keras", 4, 64, 1, [0.5, 0.95]),
         _record("keras", 4, 256, 1, [0.5, 0.6]),
     ]
-    lines = cli.largest_reached(records + [_record("mean", 4, 64, 1, [0.5, 0.6])])
+    lines = summary.largest_reached(records + [_record("mean", 4, 64, 1, [0.5, 0.6])])
     assert len(lines) == 3
     assert lines[2].endswith("mean K=1: largest effective batch reaching 0.900: none (of 256)")
     seeds = [_record("adasum", 4, 64, 1, [0.95]), {**_record("adasum", 4, 64, 1, [0.5]), "seed": 1}]
-    assert cli.largest_reached(seeds)[0].endswith(": none (of 256)")  # every seed must reach it
+    assert summary.largest_reached(seeds)[0].endswith(": none (of 256)")  # every seed must reach it
     assert lines[0].endswith("adasum K=1: largest effective batch reaching 0.900: 1024 (N=4 x 256) (of 256, 1024)")
     assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (N=4 x 64) (of 256, 1024)")
 

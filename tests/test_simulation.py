@@ -73,8 +73,10 @@ def _simulated(combiner, mode, k, lr=1e-2):
         ("adasum", "gradient", 2),
         ("mean", "delta", 1),
         ("mean", "gradient", 1),
+        ("mean", "delta", 2),
         ("adacons", "delta", 1),
         ("adacons", "gradient", 1),
+        ("adacons", "delta", 2),
     ],
 )
 def test_simulation_is_bitwise_the_real_replicas(combiner, mode, k):
@@ -110,6 +112,24 @@ def test_combine_matches_the_reference_at_many_replicas(rng):
     expected = reference.adasum_tree(per_rank)
     for got, want in zip(combined, expected):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_restored_optimizer_state_is_every_replicas_start():
+    """A checkpoint holds replica 0's optimizer state; restored into a fresh
+    trainer it is where every replica goes on from (the step count too)."""
+    x, y = _data(N * PER_REPLICA * STEPS)
+    first = tf_adasum.SimulatedReplicas(_model(), N)
+    first.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+    first.fit(x, y, batch_size=N * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
+    resumed = tf_adasum.SimulatedReplicas(_model(), N)
+    resumed.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+    resumed.model.set_weights(first.model.get_weights())
+    for mine, saved in zip(resumed.optimizer.variables, first.optimizer.variables):
+        mine.assign(saved)  # as a checkpoint restore does
+    resumed.fit(x[: N * PER_REPLICA], y[: N * PER_REPLICA], batch_size=N * PER_REPLICA, verbose=0, shuffle=False)
+    assert int(resumed.optimizer.iterations.numpy()) == STEPS + 1
+    iterations = [s for s in resumed._state.own_stacks if s.dtype == tf.int64]
+    assert iterations and all(int(v) == STEPS + 1 for v in iterations[-1].numpy())
 
 
 def test_the_engine_has_no_per_level_partials():

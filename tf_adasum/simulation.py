@@ -3,7 +3,7 @@
 "What would Adasum do on 256 workers?", answered on a laptop. Each training
 step takes a global batch of N x b examples; replica i takes rows
 ``[i*b, (i+1)*b)`` (as `tf.distribute.MirroredStrategy` splits a batch), and
-the replicas are computed one after another with exactly the semantics of
+the replicas are computed one after another with the semantics of
 `tf_adasum.AdasumOptimizer` on N real replicas:
 
 * delta mode (default): each replica has its own state of the inner optimizer
@@ -14,25 +14,40 @@ the replicas are computed one after another with exactly the semantics of
   the inner optimizer applies the result once;
 * a step in which any replica's gradient is not finite is skipped by all;
 * the combine is `tf_adasum.engines.simulated.SimulatedEngine`'s: the same
-  vector-halving tree, float64 partial sums and AdaCons as N replicas on the
-  CPUs of one process (tested bitwise against them at N = 4).
+  tree, float64 partial sums and AdaCons as N replicas (tested bitwise against
+  a 4-replica MirroredStrategy).
 
 Precision: the model's own dtype for the forward and backward passes and the
 inner step; the combine's dot products and coefficients in float64, as in
 `tf_adasum.reference`.
 
-Between combines of K local steps in delta mode, the wrapped model holds
-replica 0's weights (what a checkpoint of a strategy's replicas stores).
-Non-trainable state (e.g. BatchNormalization's moving statistics) is one copy
-that every replica's forward pass updates in turn. Memory: per replica one
-copy of the inner optimizer's state (and with K > 1 of the weights, or in
-gradient mode of the gradients); time: about N times one replica's step at
-batch b, plus the tree.
+Where it differs from N real replicas:
+
+* Every batch must hold a multiple of N rows (a strategy spreads an uneven
+  last batch); give `fit` a ``tf.data`` stream batched with
+  ``drop_remainder=True`` or that repeats, as the example does.
+* Non-trainable state (e.g. BatchNormalization's moving statistics) is one
+  copy that every replica's forward pass updates in turn, not N copies
+  updated from the same start: a model with such state trains differently.
+* Every trainable variable needs a gradient (`AdasumOptimizer` skips one
+  without, as Keras does).
+
+Checkpoints: the wrapped model holds the combined weights, or replica 0's
+between combines of K local steps, and the inner optimizer replica 0's state,
+as a checkpoint of a strategy's replicas stores them. After a restore (any
+change of the inner optimizer's variables from outside, e.g. by
+`keras.callbacks.BackupAndRestore`), every replica starts from the restored
+state, as real replicas do, and a cycle of K local steps starts afresh.
+
+Memory: per replica one copy of the inner optimizer's state (and with K > 1
+of the weights, or in gradient mode of the gradients); time: about N times one
+replica's step at batch b, plus the tree.
 
 Example:
   >>> trainer = SimulatedReplicas(make_model(), num_replicas=256)
   >>> trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
-  >>> trainer.fit(x_train, y_train, batch_size=256 * 64, epochs=10)
+  >>> stream = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(60000).repeat().batch(256 * 64)
+  >>> trainer.fit(stream, steps_per_epoch=60000 // (256 * 64), epochs=10)
   >>> trainer.model.evaluate(x_test, y_test)
 """
 
@@ -80,6 +95,8 @@ class SimulatedReplicas(keras.Model):
         name: str | None = None,
     ):
         super().__init__(name=name)
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int):
+            raise TypeError(f"`num_replicas` must be an int. Received: num_replicas={num_replicas!r}")
         if not isinstance(model, keras.Model):
             raise TypeError(f"`model` must be a keras.Model. Received: model of type {type(model).__name__}")
         if not model.built:
@@ -97,30 +114,37 @@ class SimulatedReplicas(keras.Model):
         self._state = None
         self.built = True
 
-    def call(self, inputs, training=False):
+    def call(self, inputs: Any, training: bool = False) -> Any:
         return self.model(inputs, training=training)
 
-    def compile(self, optimizer="rmsprop", **kwargs: Any) -> None:
+    def compile(self, optimizer: str | keras.optimizers.Optimizer = "rmsprop", **kwargs: Any) -> None:
         """As `keras.Model.compile`; `optimizer` is every replica's inner
         optimizer. ``jit_compile`` defaults to False (XLA cannot compile the
-        replica loop's variable swaps on every device)."""
+        replica loop's variable swaps on every device). No mixed precision:
+        a ``mixed_float16`` policy (a LossScaleOptimizer) is refused."""
+        if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer.built:
+            raise ValueError(
+                "`optimizer` must not be built yet: SimulatedReplicas copies its state per replica when it "
+                f"builds it. Received: optimizer={optimizer.name!r}, already built"
+            )
         kwargs.setdefault("jit_compile", False)
         super().compile(optimizer=optimizer, **kwargs)
         inner = self.optimizer
+        if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "SimulatedReplicas does not simulate loss scaling (mixed precision): compile it under a float32 "
+                f"dtype policy. Received: an optimizer wrapped in {type(inner).__name__} "
+                f"(dtype policy {keras.config.dtype_policy().name!r})"
+            )
         optimizer_args.check_inner(inner)
         keras_step.check_keras_internals(inner)
-        if inner.built:
-            raise ValueError(
-                "`optimizer` must not be built yet: SimulatedReplicas copies its state per replica when it "
-                f"builds it. Received: optimizer={inner.name!r}, already built"
-            )
         before = {id(v) for v in inner.variables}
         inner.build(self.model.trainable_variables)
         # Per replica: what build() made (moments, ...) and the step count; the learning rate stays shared.
         own = [v for v in inner.variables if id(v) not in before] + [inner.iterations]
         self._state = _ReplicaState(self, [keras_step.tf_variable(v) for v in own])
 
-    def train_step(self, data):
+    def train_step(self, data: Any) -> dict:
         if self._state is None:
             raise RuntimeError("SimulatedReplicas: call compile() before training.")
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -189,7 +213,10 @@ class _ReplicaState:
         grads = tape.gradient(loss, self.variables)
         missing = [v.path for v, g in zip(self.keras_variables, grads) if g is None]
         if missing:
-            raise ValueError(f"SimulatedReplicas: these variables have no gradient: {missing}")
+            raise ValueError(
+                "SimulatedReplicas needs a gradient for every trainable variable (freeze the others: "
+                f"`trainable=False`). Received: no gradient for {missing}"
+            )
         for metric in trainer.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
@@ -242,6 +269,8 @@ class _ReplicaState:
         x, y, sample_weight = shards
         shard = lambda i: tf.nest.map_structure(lambda t: None if t is None else t[i], (x, y, sample_weight))  # noqa: E731
         k = self.trainer.backward_passes_per_step
+        if self.own_stacks:
+            self._adopt_restored_state()
         is_first, is_last = tf.equal(self.count % k, 0), tf.equal((self.count + 1) % k, 0)
         # The model holds the combined weights, or replica 0's within a cycle of K.
         start = [tf.identity(v) for v in self.variables]
@@ -296,6 +325,20 @@ class _ReplicaState:
                 return tf.constant(True)
 
             tf.cond(finite, apply, lambda: tf.constant(False))
+
+    def _adopt_restored_state(self) -> None:
+        """Delta mode: the inner optimizer holds replica 0's state after every
+        step; if it holds another now, it was restored (or set) from outside,
+        and every replica starts from it, in a fresh cycle of K local steps."""
+        unchanged = tf.reduce_all([tf.reduce_all(tf.equal(v, s[0])) for v, s in zip(self.own, self.own_stacks)])
+
+        def adopt():
+            for variable, stack in zip(self.own, self.own_stacks):
+                stack.assign(tf.broadcast_to(tf.expand_dims(variable, 0), stack.shape))
+            self.count.assign(0)
+            return tf.constant(True)
+
+        tf.cond(unchanged, lambda: tf.constant(False), adopt)
 
     def _combine(self, stacked: list[tf.Tensor]) -> list[tf.Tensor]:
         """The combine of per-replica ``[N, ...]`` values; one copy of the result."""

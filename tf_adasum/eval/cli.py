@@ -22,20 +22,17 @@ unless it is set already (its worker processes inherit it); each record's
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import itertools
 import json
-import math
 import os
-import statistics
 import sys
 
-from tf_adasum.eval import metrics, quiet
+from tf_adasum.eval import quiet, summary
 from tf_adasum.eval.config import COMBINERS, ENGINES, KERAS_BASELINES, SCHEDULES, TIMING_MODELS, RunConfig
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
-__all__ = ["ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main", "stops_early"]
+__all__ = ["ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main"]
 
 #: The evaluation's kernels (see the module docstring), unless the environment chooses.
 ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
@@ -99,30 +96,6 @@ def _replicas() -> list[RunConfig]:
 
 
 PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper, "replicas": _replicas}
-
-
-def _same_method(config: RunConfig) -> tuple:
-    """What identifies a method along the replica axis: everything but N and the seed."""
-    return dataclasses.replace(config, replicas=1, seed=0).key()
-
-
-def stops_early(config: RunConfig, records: list[dict]) -> bool:
-    """Whether the replica sweep skips `config`: AdaCons and Adasum with local
-    steps stop once every seed recorded so far failed the target at two
-    consecutive N below (a larger N does not rescue them; Adasum and the
-    averaging baselines always run to the end, so their rows are complete).
-    Judged on `records` each time: a skipped run comes back once a seed
-    reaches the target at one of those N."""
-    if not (config.combiner == "adacons" or config.local_steps > 1):
-        return False
-    outcomes: dict[int, list[bool]] = {}
-    for record in records:
-        other = _config_of(record)
-        if _same_method(other) == _same_method(config) and other.replicas < config.replicas:
-            outcomes.setdefault(other.replicas, []).append(record["epochs_until_convergence"] > 0)
-    tried = sorted(outcomes)
-    failed = [n for n in tried if not any(outcomes[n])]
-    return any(a in failed and b in failed for a, b in zip(tried, tried[1:]))
 
 
 def _parse_args(argv):
@@ -194,118 +167,6 @@ def build_grid(args) -> list[RunConfig]:
     if not configs:
         raise ValueError("The grid is empty (the `keras` and `keras-scaled` combiners run only at --local-steps 1).")
     return configs
-
-
-def _config_of(record: dict) -> RunConfig:
-    return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig)})
-
-
-CSV_FIELDS = [
-    "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
-    "seed", "lr", "schedule", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score",
-    "final_acc", "best_acc", "accuracy_per_epoch",
-]  # fmt: skip
-
-
-def write_csv(records: list[dict], path: str) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for record in records:
-            writer.writerow(
-                {**record, "accuracy_per_epoch": " ".join(f"{a:.4f}" for a in record["accuracy_per_epoch"])}
-            )
-
-
-def format_table(records: list[dict]) -> str:
-    header = [
-        "model",
-        "data",
-        "combiner",
-        "N",
-        "batch",
-        "local",
-        "eff.batch",
-        "seed",
-        "target",
-        "epochs",
-        "min/epoch",
-        "score",
-        "best",
-    ]
-    rows = [header]
-    for r in records:
-        epochs = r["epochs_until_convergence"]
-        rows.append(
-            [
-                r["model"], r["dataset"], r["combiner"], str(r["replicas"]), str(r["batch_per_replica"]),
-                str(r["local_steps"]), str(r["effective_batch"]), str(r["seed"]), f"{r['target']:.3f}",
-                str(epochs) if epochs > 0 else f">{len(r['accuracy_per_epoch'])}",
-                f"{r['minutes_per_epoch']:.2f}", metrics.format_score(r["score"]), f"{r['best_acc']:.4f}",
-            ]
-        )  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
-
-
-def largest_reached(records: list[dict]) -> list[str]:
-    """Per model, dataset, combiner, local steps and target: the largest
-    effective batch (N x b x K) whose runs (every seed) reached the target,
-    one line each, with its N x b and the batches tried (a smaller batch may
-    have failed where a larger one succeeded; the table shows each). Runs of
-    one grid share the learning rate, schedule and budget."""
-    groups: dict[tuple, dict[int, bool]] = {}
-    shapes: dict[tuple, set[str]] = {}
-    for r in records:
-        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["target"])
-        reached = groups.setdefault(key, {})
-        batch = r["effective_batch"]
-        reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
-        shapes.setdefault((*key, batch), set()).add(f"N={r['replicas']} x {r['batch_per_replica']}")
-    lines = []
-    for key, reached in groups.items():
-        model, dataset, combiner, k, target = key
-        batches = sorted(b for b, ok in reached.items() if ok)
-        tried = f"of {', '.join(map(str, sorted(reached)))}"
-        largest = f"{batches[-1]} ({', '.join(sorted(shapes[(*key, batches[-1])]))})" if batches else "none"
-        lines.append(
-            f"{model} / {dataset}, {combiner} K={k}: largest effective batch reaching {target:.3f}: {largest} ({tried})"
-        )
-    return lines
-
-
-def seed_summary(records: list[dict]) -> str:
-    """A table over seeds: per model, dataset, combiner, K, N and batch, the
-    median and range of the epochs to the target (a run that missed it counts
-    as more than its budget, shown ``>E``) and of the best test accuracy."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
-        groups.setdefault(key, []).append(r)
-
-    def epochs(r):
-        return r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf
-
-    def shown(value, budget):
-        return f">{budget}" if math.isinf(value) else f"{value:g}"
-
-    header = ["model", "combiner", "K", "N", "eff.batch", "seeds", "epochs (median)", "range", "best (median)", "range"]
-    rows = [header]
-    for (model, _, combiner, k, n, _), runs in groups.items():
-        budget = max(r["epochs"] for r in runs)
-        reached = [epochs(r) for r in runs]
-        best = [r["best_acc"] for r in runs]
-        rows.append([
-            model, combiner, str(k), str(n), str(runs[0]["effective_batch"]), str(len(runs)),
-            shown(statistics.median(reached), budget), f"{shown(min(reached), budget)}-{shown(max(reached), budget)}",
-            f"{statistics.median(best):.4f}", f"{min(best):.4f}-{max(best):.4f}",
-        ])  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
 
 
 class _Progress:
@@ -407,7 +268,7 @@ def _run_timing(args, plan: _Plan) -> None:
 
 def _run_grid(args, plan: _Plan) -> None:
     results_path = os.path.join(args.out, "results.jsonl")
-    done = {_config_of(record).key() for record in plan.previous}
+    done = {summary.config_of(record).key() for record in plan.previous}
     todo = [config for config in plan.configs if config.key() not in done]
     print(
         f"tf-adasum eval: {len(plan.configs)} configurations, {len(plan.configs) - len(todo)} already done; "
@@ -421,7 +282,7 @@ def _run_grid(args, plan: _Plan) -> None:
     records = list(plan.previous)
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
-        if args.preset == "replicas" and stops_early(config, records):
+        if args.preset == "replicas" and summary.stops_early(config, records):
             print(
                 f"[{index}/{len(todo)}] skipped: {config.combiner} K={config.local_steps} N={config.replicas} "
                 "(every seed failed the target at two consecutive smaller N)",
@@ -436,16 +297,16 @@ def _run_grid(args, plan: _Plan) -> None:
             f.write(json.dumps(record) + "\n")
         mode = "a"
     wanted = {c.key() for c in plan.configs}
-    selected = [r for r in records if _config_of(r).key() in wanted]
-    write_csv(selected, os.path.join(args.out, "results.csv"))
+    selected = [r for r in records if summary.config_of(r).key() in wanted]
+    summary.write_csv(selected, os.path.join(args.out, "results.csv"))
     print()
-    print(format_table(selected))
+    print(summary.format_table(selected))
     print()
     if len({r["seed"] for r in selected}) > 1:
-        print(seed_summary(selected))
+        print(summary.seed_summary(selected))
         print()
     if len({r["effective_batch"] for r in selected}) > 1:
-        print("\n".join(largest_reached(selected)))
+        print("\n".join(summary.largest_reached(selected)))
         print()
     for path in [results_path, os.path.join(args.out, "results.csv"), *plot(selected, args.out)]:
         print(f"wrote {path}")

@@ -180,9 +180,9 @@ def _scaling(plt, records: list[dict], style: _Style, path: str) -> None:
 
 def _replica_axis(plt, records: list[dict], style: _Style, path: str) -> None:
     """Epochs to target and best accuracy against N (the replica sweep): the
-    median over seeds, a bar from the smallest to the largest; a point whose
-    median run missed the target sits on the "not reached" row (its bar still
-    shows the seeds that reached it)."""
+    median over seeds (the higher middle value for an even count), a bar from
+    the smallest to the largest; a point whose median run missed the target
+    sits on the "not reached" row (its bar still shows the seeds that reached it)."""
     budget = max(r["epochs"] for r in records)
     missed_y = budget + max(1.0, 0.12 * budget)
     counts = sorted({r["replicas"] for r in records})
@@ -194,7 +194,7 @@ def _replica_axis(plt, records: list[dict], style: _Style, path: str) -> None:
         ns = sorted({r["replicas"] for r in mine})
         for axis, value in zip(axes, (epochs, lambda r: r["best_acc"])):
             values = [[value(r) for r in mine if r["replicas"] == n] for n in ns]
-            middle = [statistics.median(v) for v in values]
+            middle = [statistics.median_high(v) for v in values]
             low = [m - min(v) for m, v in zip(middle, values)]
             high = [max(v) - m for m, v in zip(middle, values)]
             x = [n * 2**shift for n in ns]

@@ -1,0 +1,155 @@
+"""The evaluation's summaries of its records: the table, the CSV file, the
+table over seeds, the largest effective batch reaching the target, and which
+runs the replica sweep skips (`stops_early`)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import statistics
+
+from tf_adasum.eval import metrics
+from tf_adasum.eval.config import RunConfig
+
+__all__ = ["CSV_FIELDS", "config_of", "format_table", "largest_reached", "seed_summary", "stops_early", "write_csv"]
+
+
+def config_of(record: dict) -> RunConfig:
+    """The configuration a result record was run with."""
+    return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig)})
+
+
+def _same_method(config: RunConfig) -> tuple:
+    """What identifies a method along the replica axis: everything but N and the seed."""
+    return dataclasses.replace(config, replicas=1, seed=0).key()
+
+
+def stops_early(config: RunConfig, records: list[dict]) -> bool:
+    """Whether the replica sweep skips `config`: AdaCons and Adasum with local
+    steps stop once every seed recorded so far failed the target at two
+    consecutive N below (a larger N does not rescue them; Adasum and the
+    averaging baselines always run to the end, so their rows are complete).
+    Judged on `records` each time: a skipped run comes back once a seed
+    reaches the target at one of those N."""
+    if not (config.combiner == "adacons" or config.local_steps > 1):
+        return False
+    outcomes: dict[int, list[bool]] = {}
+    for record in records:
+        other = config_of(record)
+        if _same_method(other) == _same_method(config) and other.replicas < config.replicas:
+            outcomes.setdefault(other.replicas, []).append(record["epochs_until_convergence"] > 0)
+    tried = sorted(outcomes)
+    failed = [n for n in tried if not any(outcomes[n])]
+    return any(a in failed and b in failed for a, b in zip(tried, tried[1:]))
+
+
+CSV_FIELDS = [
+    "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
+    "seed", "lr", "schedule", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score",
+    "final_acc", "best_acc", "accuracy_per_epoch",
+]  # fmt: skip
+
+
+def write_csv(records: list[dict], path: str) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for record in records:
+            writer.writerow(
+                {**record, "accuracy_per_epoch": " ".join(f"{a:.4f}" for a in record["accuracy_per_epoch"])}
+            )
+
+
+def format_table(records: list[dict]) -> str:
+    header = [
+        "model",
+        "data",
+        "combiner",
+        "N",
+        "batch",
+        "local",
+        "eff.batch",
+        "seed",
+        "target",
+        "epochs",
+        "min/epoch",
+        "score",
+        "best",
+    ]
+    rows = [header]
+    for r in records:
+        epochs = r["epochs_until_convergence"]
+        rows.append(
+            [
+                r["model"], r["dataset"], r["combiner"], str(r["replicas"]), str(r["batch_per_replica"]),
+                str(r["local_steps"]), str(r["effective_batch"]), str(r["seed"]), f"{r['target']:.3f}",
+                str(epochs) if epochs > 0 else f">{len(r['accuracy_per_epoch'])}",
+                f"{r['minutes_per_epoch']:.2f}", metrics.format_score(r["score"]), f"{r['best_acc']:.4f}",
+            ]
+        )  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def largest_reached(records: list[dict]) -> list[str]:
+    """Per model, dataset, combiner, local steps and target: the largest
+    effective batch (N x b x K) whose runs (every seed) reached the target,
+    one line each, with its N x b and the batches tried (a smaller batch may
+    have failed where a larger one succeeded; the table shows each). Runs of
+    one grid share the learning rate, schedule and budget."""
+    groups: dict[tuple, dict[int, bool]] = {}
+    shapes: dict[tuple, set[str]] = {}
+    for r in records:
+        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["target"])
+        reached = groups.setdefault(key, {})
+        batch = r["effective_batch"]
+        reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
+        shapes.setdefault((*key, batch), set()).add(f"N={r['replicas']} x {r['batch_per_replica']}")
+    lines = []
+    for key, reached in groups.items():
+        model, dataset, combiner, k, target = key
+        batches = sorted(b for b, ok in reached.items() if ok)
+        tried = f"of {', '.join(map(str, sorted(reached)))}"
+        largest = f"{batches[-1]} ({', '.join(sorted(shapes[(*key, batches[-1])]))})" if batches else "none"
+        lines.append(
+            f"{model} / {dataset}, {combiner} K={k}: largest effective batch reaching {target:.3f}: {largest} ({tried})"
+        )
+    return lines
+
+
+def seed_summary(records: list[dict]) -> str:
+    """A table over seeds: per model, dataset, combiner, K, N and batch, the
+    median and range of the epochs to the target (a run that missed it counts
+    as more than its budget, shown ``>E``) and of the best test accuracy. With
+    an even number of seeds the median is the higher middle value, so a point
+    where half the seeds missed the target counts as missed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
+        groups.setdefault(key, []).append(r)
+
+    def epochs(r):
+        return r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf
+
+    def shown(value, budget):
+        return f">{budget}" if math.isinf(value) else f"{value:g}"
+
+    header = ["model", "data", "combiner", "K", "N", "eff.batch", "seeds", "epochs (median)", "range", "best (median)"]
+    rows = [header + ["range"]]
+    for (model, dataset, combiner, k, n, _), runs in groups.items():
+        budget = max(r["epochs"] for r in runs)
+        reached = [epochs(r) for r in runs]
+        best = [r["best_acc"] for r in runs]
+        rows.append([
+            model, dataset, combiner, str(k), str(n), str(runs[0]["effective_batch"]), str(len(runs)),
+            shown(statistics.median_high(reached), budget),
+            f"{shown(min(reached), budget)} to {shown(max(reached), budget)}",
+            f"{statistics.median_high(best):.4f}", f"{min(best):.4f} to {max(best):.4f}",
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
