@@ -58,7 +58,7 @@ import cost_model  # noqa: E402
 #: the N sweep in docs/guide/benchmarks.md ("Fitted to the N sweep", 2026-12-04).
 DEFAULT_CONSTANTS = {"a": 0.75e-3, "u": 1 / 0.84e9, "a_ring": 1.34e-3, "u_ring": 1 / 0.40e9}
 #: Interconnects: name -> link rate in bytes per second (None: no wire).
-LINKS = {"this machine": None, "10 GbE": 10e9 / 8, "100 GbE": 100e9 / 8}
+LINKS = {"this machine": None, "1 GbE": 1e9 / 8, "10 GbE": 10e9 / 8, "100 GbE": 100e9 / 8}
 TRAINING_EXAMPLES = {"mnist": 60_000, "fashion_mnist": 60_000}
 
 
