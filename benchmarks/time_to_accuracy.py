@@ -54,6 +54,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cost_model  # noqa: E402
 
+from tf_adasum.eval import metrics  # noqa: E402
+
 #: a, u, a', u' (seconds, seconds per byte): fitted to the worker processes of
 #: the N sweep in docs/guide/benchmarks.md ("Fitted to the N sweep", 2026-12-04).
 DEFAULT_CONSTANTS = {"a": 0.75e-3, "u": 1 / 0.84e9, "a_ring": 1.34e-3, "u_ring": 1 / 0.40e9}
@@ -130,7 +132,7 @@ def scores(records: list[dict], constants: dict, step_ms: float | None = None) -
             steps = _steps_per_epoch(runs[0])
             combine = combine_seconds(combiner, n, sizes[model], constants, rate)
             minutes = (steps * t_step + steps / k * combine) / 60.0
-            reached = [r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf for r in runs]
+            reached = [metrics.epochs_or_inf(r) for r in runs]
             epochs = statistics.median_high(reached)
             rows.append({
                 "link": link, "model": model, "dataset": dataset, "combiner": combiner, "local_steps": k,

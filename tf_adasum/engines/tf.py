@@ -241,8 +241,9 @@ class TFEngine(Engine):
         """This process's socket mesh for the workers of this engine, made
         once per process (every worker makes it at the same point: the first
         combine over sockets), its ports exchanged with `sum_over_workers`;
-        None once the workers fell back to TF collective ops (`_fall_back`),
-        here when a worker could not listen on its port."""
+        None once the workers fell back to TF collective ops together: here
+        when a worker could not listen on its port, in `_links_agreed` when
+        one could not reach a peer's."""
         timeout = float(self.options.timeout_seconds or 0)
         key = self._mesh_key()
         with _MESHES_LOCK:

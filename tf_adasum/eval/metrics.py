@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["epochs_until_convergence", "format_score", "score"]
+__all__ = ["epochs_or_inf", "epochs_until_convergence", "format_score", "score"]
 
 
 def epochs_until_convergence(accuracy_per_epoch: Sequence[float], target: float) -> int:
@@ -14,6 +14,13 @@ def epochs_until_convergence(accuracy_per_epoch: Sequence[float], target: float)
         if accuracy >= target:
             return epoch
     return -1
+
+
+def epochs_or_inf(record: dict) -> float:
+    """A result record's epochs to its target, infinity when it never reached
+    it (so a median or minimum over seeds orders a miss after every hit)."""
+    epochs = record["epochs_until_convergence"]
+    return epochs if epochs > 0 else math.inf
 
 
 def score(epochs: int, minutes_per_epoch: float) -> float | None:

@@ -61,6 +61,14 @@ def write_csv(records: list[dict], path: str) -> None:
             )
 
 
+def _aligned(rows: list[list[str]]) -> str:
+    """`rows` (the first a header) as right-aligned columns, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
 def format_table(records: list[dict]) -> str:
     header = [
         "model",
@@ -88,10 +96,7 @@ def format_table(records: list[dict]) -> str:
                 f"{r['minutes_per_epoch']:.2f}", metrics.format_score(r["score"]), f"{r['best_acc']:.4f}",
             ]
         )  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return _aligned(rows)
 
 
 def largest_reached(records: list[dict]) -> list[str]:
@@ -131,9 +136,6 @@ def seed_summary(records: list[dict]) -> str:
         key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
         groups.setdefault(key, []).append(r)
 
-    def epochs(r):
-        return r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else math.inf
-
     def shown(value, budget):
         return f">{budget}" if math.isinf(value) else f"{value:g}"
 
@@ -141,7 +143,7 @@ def seed_summary(records: list[dict]) -> str:
     rows = [header + ["range"]]
     for (model, dataset, combiner, k, n, _), runs in groups.items():
         budget = max(r["epochs"] for r in runs)
-        reached = [epochs(r) for r in runs]
+        reached = [metrics.epochs_or_inf(r) for r in runs]
         best = [r["best_acc"] for r in runs]
         rows.append([
             model, dataset, combiner, str(k), str(n), str(runs[0]["effective_batch"]), str(len(runs)),
@@ -149,7 +151,4 @@ def seed_summary(records: list[dict]) -> str:
             f"{shown(min(reached), budget)} to {shown(max(reached), budget)}",
             f"{statistics.median_high(best):.4f}", f"{min(best):.4f} to {max(best):.4f}",
         ])  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return _aligned(rows)
