@@ -41,6 +41,7 @@ def test_public_api():
             "AdasumDiagnostics",
             "AdasumOptimizer",
             "BackupAndRestore",
+            "SimulatedReplicas",
             "__version__",
             "adasum_pair",
             "combiners",

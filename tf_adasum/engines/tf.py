@@ -57,6 +57,10 @@ SETUP_CONNECT_SECONDS = 60.0
 # agreed to fall back to TF collective ops (a port that could not be opened or reached).
 _MESHES: dict[tuple, sockets.Mesh | None] = {}
 _MESHES_LOCK = threading.Lock()
+# (mesh key, scope) whose links every worker agreed on: later traces of that
+# scope connect without a collective (which a dead peer would leave waiting for
+# the whole timeout, where its closed connection fails at once).
+_AGREED: set[tuple] = set()
 
 
 def _partners(num_ranks: int, rank: int) -> set[int]:
@@ -275,13 +279,19 @@ class TFEngine(Engine):
                     _MESHES[key] = sockets.Mesh(listener, me, addresses, tokens, timeout)
             return _MESHES[key]
 
-    def _links_agreed(self, mesh: sockets.Mesh, peers: Sequence[int]) -> bool:
+    def _links_agreed(self, mesh: sockets.Mesh, peers: Sequence[int], scope: str) -> bool:
         """Connects to `peers` on every worker together: first the links this
         worker opens, within `SETUP_CONNECT_SECONDS`, then one exchange that
         tells every worker whether all of them succeeded; if one did not, every
         worker falls back to TF collective ops (one warning). Else the links
-        the peers opened are waited for (made by then)."""
+        the peers opened are waited for (made by then). Once per scope: every
+        worker traces the same scopes, so every worker skips the exchange
+        together on a later trace."""
         timeout = self.options.timeout_seconds
+        agreed = (self._mesh_key(), scope)
+        if agreed in _AGREED:
+            mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
+            return True
         failures = mesh.try_connect(
             peers, time.monotonic() + min(timeout or SETUP_CONNECT_SECONDS, SETUP_CONNECT_SECONDS)
         )
@@ -292,6 +302,8 @@ class TFEngine(Engine):
             self._warn_fallback("; ".join(failures) or f"{int(failed)} worker process(es) could not reach a peer")
             return False
         mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
+        with _MESHES_LOCK:
+            _AGREED.add(agreed)
         return True
 
     def _warn_fallback(self, problem: str) -> None:
@@ -312,7 +324,7 @@ class TFEngine(Engine):
             # Every worker builds this combine at the same point: connect now,
             # so that a peer dying later closes a connection being read.
             peers = [self._process_of(tree[p]) for tree, rank in trees for p in _partners(len(tree), rank)]
-            if not self._links_agreed(mesh, peers):
+            if not self._links_agreed(mesh, peers, scope):
                 mesh = None
         if mesh is not None:
             comms = [
