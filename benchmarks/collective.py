@@ -35,6 +35,16 @@ report (under MPI a compressed combine leaves the native op for the driver over
 mpi4py, so a ratio there would mix two paths):
   compressed_ms      Adasum with that wire format (`tf_adasum.comm.compression`)
   ratio_compressed   compressed_ms / adasum_ms (below 1: compression pays)
+With ``--link RATE`` (engine workers), each worker runs on a host of its own,
+emulated by ``tf-adasum launch --hosts N --link RATE``: a network namespace per
+host, every host's link limited to RATE (tc syntax, ``1gbit``) both ways. The
+records then also hold:
+  link                 RATE;  link_floor_ms  2(N-1)/N x S / B, the time for the
+                       bytes each host must send through its link (ring or
+                       vector halving) at B bits/s
+  ratio_to_link_floor  adasum_ms / link_floor_ms; native_ratio_to_link_floor
+                       and (with --compression) compressed_ratio_to_link_floor
+                       the same for the native all-reduce and the compressed wire
 Every path runs under the same TensorFlow CPU allocator (``--cpu-allocator``,
 recorded as ``cpu_allocator``): ``bfc`` (default here) sets
 ``TF_CPU_ALLOCATOR_USE_BFC=true``, TensorFlow's pooling allocator; ``default``
@@ -55,7 +65,7 @@ steps long, lives in the steady state after them.
 
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
        [--sizes 4096 ...] [--dtype float32] [--process-repeats 20] [--process-warmup 20]
-       [--compression float16] [--cpu-allocator bfc]
+       [--compression float16] [--cpu-allocator bfc] [--link 1gbit]
 """
 
 from __future__ import annotations
@@ -98,7 +108,13 @@ def _parse_args(argv=None):
         default="bfc",
         help="TensorFlow's CPU allocator for every path (TF_CPU_ALLOCATOR_USE_BFC); see the module docstring",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--link", metavar="RATE", help="engine workers on emulated hosts, one each, links at RATE (e.g. 1gbit)"
+    )
+    args = parser.parse_args(argv)
+    if args.link and not set(args.engine) <= {"workers", "workers-worker"}:
+        parser.error(f"--link runs the engine workers only. Received: --engine {' '.join(args.engine)}")
+    return args
 
 
 def _wait(out):
@@ -147,6 +163,7 @@ def _forwarded_args(args):
         "--cpu-allocator",
         args.cpu_allocator,
     ]
+    forwarded += ["--link", args.link] if args.link else []
     return forwarded + (["--compression", args.compression] if args.compression else [])
 
 
@@ -157,7 +174,8 @@ def _spawn(engine, n, args):
 
     script = os.path.abspath(__file__)
     if engine == "workers":
-        command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), script, "--engine", "workers-worker"]
+        hosts = ["--hosts", str(n), "--link", args.link] if args.link else []
+        command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, script, "--engine", "workers-worker"]
         prefix = "[worker 0] "
     else:
         from tf_adasum.comm.mpi import mpirun_command
@@ -214,6 +232,25 @@ def _with_floor(record, dots_ms):
     record["dots_ms"] = round(dots_ms, 3)
     record["floor_ms"] = round(record["native_ms"] + dots_ms, 3)
     record["ratio_to_floor"] = round(record["adasum_ms"] / record["floor_ms"], 3)
+    return record
+
+
+def link_floor_ms(n: int, nbytes: int, link: str) -> float:
+    """The time each host's link needs for the bytes it must send in an
+    all-reduce of `nbytes` over `n` hosts, ring or vector halving: 2(n-1)/n x
+    nbytes, at `link` (tc syntax: bits per second)."""
+    from tf_adasum._cluster_network import rate_bits_per_second
+
+    return 2 * (n - 1) / n * nbytes * 8 / rate_bits_per_second(link) * 1e3
+
+
+def _with_link(record, link):
+    if link:
+        floor = link_floor_ms(record["replicas"], record["bytes"], link)
+        record.update(link=link, link_floor_ms=round(floor, 3))
+        for prefix, key in (("", "adasum_ms"), ("native_", "native_ms"), ("compressed_", "compressed_ms")):
+            if key in record:
+                record[f"{prefix}ratio_to_link_floor"] = round(record[key] / floor, 3)
     return record
 
 
@@ -391,7 +428,7 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
             if report:
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 _with_compressed(record, args.compression, times[-1])
-                print(json.dumps(record), flush=True)
+                print(json.dumps(_with_link(record, args.link)), flush=True)
 
 
 if __name__ == "__main__":

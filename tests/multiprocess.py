@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
 from diagnostics_oracle import assert_statistics_equal, expected_statistics
@@ -29,6 +30,26 @@ def load_worker(path: str):
 
 
 worker = load_worker(WORKER)
+
+
+def _emulated_hosts_refusal() -> str | None:
+    """Why this system cannot make `tf-adasum launch --hosts` hosts, or None when it can."""
+    from tf_adasum import launch
+
+    try:
+        fds, _ = launch._emulated_hosts(1, "1gbit")
+    except launch.NetworkIsolationError as error:
+        return str(error)
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+EMULATED_HOSTS_REFUSAL = _emulated_hosts_refusal()
+#: For tests on emulated hosts: skipped, with the reason, where namespaces cannot be made.
+needs_emulated_hosts = pytest.mark.skipif(
+    EMULATED_HOSTS_REFUSAL is not None, reason=f"no emulated hosts here: {EMULATED_HOSTS_REFUSAL}"
+)
 
 
 def worker_env(**extra) -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
-from multiprocess import TESTS, worker_env
+from multiprocess import TESTS, needs_emulated_hosts, worker_env
 from simulation import BATCH, IN, OUT
 from simulation import data as simulation_data
 
@@ -211,13 +211,23 @@ WRITER_FAULTS = {"workers": "inside", "mpi": "between"}
 KILLED = 23
 
 
+#: Chains whose step 2 cuts worker 1's link on an emulated host instead of killing it.
+LINK_FAULTS = {"hosts-link-down": "down", "hosts-link-trickle": "trickle"}
+#: Their collective timeout: every worker must fail within it after the cut (plus start-up slack).
+LINK_FAULT_TIMEOUT = 20
+
+
 def _launch(engine, step, out):
-    if engine == "workers":
-        command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
-    else:
+    env = worker_env()
+    if engine == "mpi":
         command = mpi_transport.mpirun_command(2) + [sys.executable]
-    command += [BACKUP_WORKER, str(step), str(out), WRITER_FAULTS[engine]]
-    return subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=300)
+    else:
+        command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
+    if engine in LINK_FAULTS:
+        command += ["--hosts", "2", "--link", "1gbit"]
+        env.update(TEST_LINK_FAULT=LINK_FAULTS[engine], TEST_COLLECTIVE_TIMEOUT=str(LINK_FAULT_TIMEOUT))
+    command += [BACKUP_WORKER, str(step), str(out), WRITER_FAULTS.get(engine, "inside")]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _reports(out, name):
@@ -231,15 +241,23 @@ def _backup_files(out):
 
 
 @pytest.mark.parametrize(
-    "engine", [pytest.param("workers", marks=pytest.mark.multiworker), pytest.param("mpi", marks=pytest.mark.mpi)]
+    "engine",
+    [
+        pytest.param("workers", marks=pytest.mark.multiworker),
+        pytest.param("mpi", marks=pytest.mark.mpi),
+        *(pytest.param(fault, marks=[pytest.mark.multiworker, needs_emulated_hosts]) for fault in LINK_FAULTS),
+    ],
 )
 def test_killed_processes_resume_exactly(engine, tmp_path):
     """One backup folder, three launches (see tests/workers/backup_worker.py):
     the writer killed in its save at the end of epoch 1 (inside the weights
     file under MultiWorkerMirroredStrategy, between the weights file and the
     metadata under mpirun), then the other process killed in the middle of
-    epoch 2, then the run completes with the weights and optimizer state of an
-    uninterrupted run; then a folder per process is an error on every process."""
+    epoch 2 (or, on emulated hosts, its link taken down or cut to a trickle:
+    every worker fails within the collective timeout and the launcher exits
+    non-zero), then the run completes with the weights and optimizer state of
+    an uninterrupted run; then a folder per process is an error on every
+    process."""
     outputs = []
 
     def step(number, code):
@@ -252,13 +270,25 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
     assert [r["restored"] for r in reports] == [0, 0] and reports[0]["begun"] == [0, 1]
     metadata, temporaries, weights = _backup_files(tmp_path)
     assert metadata["epoch"] == 1
-    if WRITER_FAULTS[engine] == "inside":  # a partial temporary file, never named
+    if WRITER_FAULTS.get(engine, "inside") == "inside":  # a partial temporary file, never named
         assert len(temporaries) == 1 and weights == [metadata["weights"]]
     else:  # the weights file of epoch 2, never named
         assert not temporaries and len(weights) == 2
         assert [w.startswith("epoch-000002-") for w in weights if w != metadata["weights"]] == [True]
 
-    reports = step(2, KILLED)  # process 1 died in the middle of epoch 2, after the backup at the end of epoch 1
+    if engine in LINK_FAULTS:  # every worker fails, with a clear error, within the timeout after the cut
+        reports = step(2, 1)
+        cut = json.loads((tmp_path / "link_cut.json").read_text())["time"]
+        for rank in range(2):
+            error = json.loads((tmp_path / f"step2_error_rank{rank}.json").read_text())
+            assert error["type"] in ("DeadlineExceededError", "UnavailableError"), error
+            # TF's coordination service (a peer's heartbeats stop, or this worker's own do not
+            # get through) or the combine's own timeout; which comes first depends on the cut
+            clear = ("timed out", "unhealthy", "a worker failed or left", "CoordinationService/Heartbeat")
+            assert any(m in error["message"] for m in clear), error
+            assert error["time"] - cut < LINK_FAULT_TIMEOUT + 30, (error, cut)
+    else:
+        reports = step(2, KILLED)  # process 1 died in the middle of epoch 2, after the backup at the end of epoch 1
     assert [r["restored"] for r in reports] == [1, 1] and reports[1]["begun"] == [1, 2]
     metadata, temporaries, weights = _backup_files(tmp_path)
     assert metadata["epoch"] == 2 and not temporaries and weights == [metadata["weights"]]
@@ -273,7 +303,7 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
             assert result.files == reference.files
             _assert_bitwise_equal([result[f] for f in result.files], [reference[f] for f in reference.files])
 
-    label = "worker" if engine == "workers" else "rank"
+    label = "rank" if engine == "mpi" else "worker"
     for report in _reports(tmp_path, "mismatch"):  # a folder per process: only the writer's holds a backup
         assert report["raised"] and report["type"] == "ValueError", report
         assert f"different epochs in {tmp_path}/own" in report["message"]

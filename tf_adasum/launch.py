@@ -19,6 +19,18 @@ starts the workers. ``--isolate-network`` (Linux) runs them in a private
 network namespace that holds only loopback: nothing outside can reach them, and
 they cannot reach the network either.
 
+``--hosts H --link RATE`` (Linux) emulates a cluster of H machines on this
+one: each host a network namespace of its own with its own address
+(``10.241.0.1``, ``10.241.0.2``, ...), joined to the others through a bridge by
+a link limited to RATE (tc syntax: ``1gbit``, ``100mbit``) in both directions;
+the workers are spread over the hosts in contiguous blocks (workers 0 and 1 on
+host 0 and 2, 3 on host 1 for ``-n 4 --hosts 2``), each at its host's address
+in ``TF_CONFIG``. It needs ``ip`` and ``tc`` (iproute2) and root, or
+unprivileged user namespaces (where the workers then run as that namespace's
+root, which is the caller's uid outside). The namespaces have no name: they
+vanish with the launcher and its workers, however they end
+(`tf_adasum/_cluster_network.py` builds them).
+
 The script is the same one a real cluster runs: it builds
 ``tf.distribute.MultiWorkerMirroredStrategy()``, which reads ``TF_CONFIG``.
 This module imports only the standard library.
@@ -30,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +58,12 @@ GRACE_SECONDS = 5.0
 
 #: The supervisor of each worker and maker of the private network (run by path, not imported).
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker_bootstrap.py")
+#: The maker of an emulated cluster's hosts and links (run by path, not imported).
+CLUSTER_NETWORK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_cluster_network.py")
+#: The TF_CONFIG port of worker i on an emulated host (each host's ports are its own).
+HOST_PORT_BASE = 20000
+#: A link rate in tc's syntax: bits per second with an SI prefix.
+LINK_RATE = re.compile(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)")
 
 
 class NetworkIsolationError(OSError):
@@ -62,10 +81,14 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def cluster_configs(num_workers: int, ports: Sequence[int] | None = None) -> list[str]:
-    """The ``TF_CONFIG`` of each worker of a localhost cluster (worker 0 is the chief)."""
+def cluster_configs(
+    num_workers: int, ports: Sequence[int] | None = None, hosts: Sequence[str] | None = None
+) -> list[str]:
+    """The ``TF_CONFIG`` of each worker (worker 0 is the chief): worker i at
+    ``hosts[i]:ports[i]`` (default: localhost, free ports)."""
     ports = list(ports) if ports is not None else free_ports(num_workers)
-    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    hosts = list(hosts) if hosts is not None else ["localhost"] * num_workers
+    cluster = {"worker": [f"{host}:{port}" for host, port in zip(hosts, ports)]}
     return [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(num_workers)]
 
 
@@ -105,30 +128,61 @@ def _private_network() -> list[int]:
     """Makes a network namespace holding only loopback; returns descriptors of it and its user namespace."""
     if not sys.platform.startswith("linux"):
         raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
-    holder = subprocess.Popen(
-        _bootstrap("network"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
     try:
-        answer = holder.stdout.readline().strip()
-        if answer != "ready":
-            raise NetworkIsolationError(
-                f"cannot create a private network namespace for the workers ({answer.removeprefix('error: ')}). "
-                "Run as root (CAP_SYS_ADMIN) or where unprivileged user namespaces are allowed, "
-                "or run without it on a private network or behind a firewall."
-            )
+        holder, _ = _holder(_bootstrap("network"), "a private network namespace for the workers")
+    except NetworkIsolationError as error:
+        raise NetworkIsolationError(
+            f"{error}. Run as root (CAP_SYS_ADMIN) or where unprivileged user namespaces are allowed, "
+            "or run without it on a private network or behind a firewall."
+        ) from None
+    try:
         return [os.open(f"/proc/{holder.pid}/ns/{kind}", os.O_RDONLY) for kind in ("net", "user")]
     finally:
-        holder.stdin.close()  # the holder exits; the namespace lives on in our descriptors
-        holder.stdout.close()
-        try:
-            holder.wait(GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait()
+        _release(holder)
 
 
-def _exposure_notice(ports: Sequence[int], isolated: bool) -> str:
+def _holder(args: list[str], what: str) -> tuple[subprocess.Popen, list[str]]:
+    """Starts a maker of namespaces; returns it and the words after its ``ready``."""
+    holder = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    answer = holder.stdout.readline().strip()
+    if answer.split()[:1] == ["ready"]:
+        return holder, answer.split()[1:]
+    _release(holder)
+    raise NetworkIsolationError(f"cannot create {what} ({answer.removeprefix('error: ') or 'no answer'})")
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.stdin.close()  # the holder exits; its namespaces live on in our descriptors
+    holder.stdout.close()
+    try:
+        holder.wait(GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+        holder.wait()
+
+
+def _emulated_hosts(hosts: int, link: str | None) -> tuple[list[int], list[str]]:
+    """Makes `hosts` hosts joined by `link`-rate links (`_cluster_network.py`);
+    returns descriptors (user namespace, switch, host 0, ...) and the hosts' addresses."""
+    if not sys.platform.startswith("linux"):
+        raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
+    args = [sys.executable, "-I", "-S", CLUSTER_NETWORK, str(os.getpid()), str(hosts), link or "none"]
+    holder, words = _holder(args, f"{hosts} emulated hosts")
+    try:
+        fds = [os.open(f"/proc/{holder.pid}/fd/{word.split('@')[0]}", os.O_RDONLY) for word in words]
+    finally:
+        _release(holder)
+    return fds, [word.split("@")[1] for word in words[2:]]
+
+
+def _exposure_notice(ports: Sequence[int], isolated: bool, hosts: Sequence[str] = (), link: str | None = None) -> str:
     listed = ", ".join(map(str, ports))
+    if hosts:
+        return (
+            f"tf-adasum launch: the workers run on {len(hosts)} emulated hosts ({', '.join(hosts)}; links of "
+            f"{link or 'unlimited rate'} each way), private network namespaces that nothing outside can reach; "
+            f"their unauthenticated gRPC servers listen on ports {listed}."
+        )
     if isolated:
         return (
             "tf-adasum launch: the workers run in a private network namespace (loopback only): their unauthenticated "
@@ -146,6 +200,8 @@ def launch(
     env: dict[str, str] | None = None,
     *,
     isolate_network: bool = False,
+    hosts: int | None = None,
+    link: str | None = None,
 ) -> int:
     """Runs `command` as `num_workers` workers of a localhost cluster.
 
@@ -162,6 +218,11 @@ def launch(
         holds only loopback (Linux; as root, or where unprivileged user
         namespaces are allowed). They reach each other on localhost and
         nothing else.
+      hosts: run the workers on this many emulated hosts (Linux; see the
+        module docstring), in contiguous blocks, each worker at its host's
+        address; 1 <= hosts <= num_workers.
+      link: with `hosts`, each host's link rate in both directions, in tc's
+        syntax (``"1gbit"``, ``"100mbit"``); None: no limit.
 
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
@@ -169,8 +230,9 @@ def launch(
       started gives 127, with the reason in the output).
 
     Raises:
-      NetworkIsolationError: `isolate_network` is set and the system refuses
-        a network namespace; no worker was started.
+      NetworkIsolationError: `isolate_network` or `hosts` is set and the
+        system refuses a network namespace (or `ip`/`tc` fail); no worker was
+        started.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"`num_workers` must be an int >= 1. Received: num_workers={num_workers!r}")
@@ -178,31 +240,49 @@ def launch(
         raise ValueError("`command` must name a program to run. Received: command=[]")
     if not isinstance(isolate_network, bool):
         raise TypeError(f"`isolate_network` must be a bool. Received: isolate_network={isolate_network!r}")
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= num_workers):
+        raise ValueError(f"`hosts` must be an int from 1 to num_workers={num_workers}. Received: hosts={hosts!r}")
+    if link is not None and (hosts is None or not isinstance(link, str) or not LINK_RATE.fullmatch(link)):
+        raise ValueError(
+            "`link` must be a rate in tc's syntax such as '1gbit' or '100mbit', with `hosts`. "
+            f"Received: link={link!r}, hosts={hosts!r}"
+        )
     base = dict(os.environ if env is None else env)
-    ports = free_ports(num_workers)
-    network = _private_network() if isolate_network else []
-    print(_exposure_notice(ports, isolate_network), file=sys.stderr, flush=True)
-    network_args = ["--network", *map(str, network)] if network else []
+    if hosts is not None:
+        network, addresses = _emulated_hosts(hosts, link)
+        host_of = [i * hosts // num_workers for i in range(num_workers)]
+        ports = [HOST_PORT_BASE + i for i in range(num_workers)]
+        # Worker i joins (user namespace, its host's namespace); the switch stays with us.
+        joins = [[network[2 + h], network[0]] for h in host_of]
+        worker_hosts = [addresses[h] for h in host_of]
+    else:
+        ports, worker_hosts, addresses = free_ports(num_workers), None, []
+        network = _private_network() if isolate_network else []
+        joins = [network] * num_workers
+    print(_exposure_notice(ports, isolate_network, addresses, link), file=sys.stderr, flush=True)
     lock = threading.Lock()
     processes, threads = [], []
     try:
-        for index, tf_config in enumerate(cluster_configs(num_workers, ports)):
+        for index, tf_config in enumerate(cluster_configs(num_workers, ports, worker_hosts)):
             worker_env = dict(base, TF_CONFIG=tf_config, PYTHONUNBUFFERED="1")
+            network_args = ["--network", *map(str, joins[index])] if joins[index] else []
             process = subprocess.Popen(
                 _bootstrap("worker", *network_args, "--", *command),
                 env=worker_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group, so _stop (and its supervisor) reach its children
-                pass_fds=network,
+                pass_fds=joins[index],
             )
             processes.append(process)
             thread = threading.Thread(target=_forward, args=(process.stdout, f"[worker {index}] ", lock), daemon=True)
             thread.start()
             threads.append(thread)
-        for fd in network:
+        # The workers hold their namespaces now; the switch's links live as long as we hold it.
+        switch = network[1:2] if hosts is not None else []
+        for fd in set(network) - set(switch):
             os.close(fd)
-        network = []
+        network = switch
         while True:
             codes = [p.poll() for p in processes]
             failed = [c for c in codes if c not in (None, 0)]
@@ -210,19 +290,18 @@ def launch(
                 code = failed[0] if failed else 0
                 break
             time.sleep(0.1)
-    except BaseException:
+    finally:
+        _stop(processes)
         for fd in network:
             os.close(fd)
-        _stop(processes)
-        raise
-    _stop(processes)
     for thread in threads:
         thread.join(timeout=GRACE_SECONDS)
     return 128 - code if code < 0 else code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``tf-adasum launch [-n N] [--isolate-network] script.py [args...]``; returns the exit code."""
+    """``tf-adasum launch -n N [--isolate-network | --hosts H [--link RATE]] script.py [args...]``;
+    returns the exit code."""
     parser = argparse.ArgumentParser(
         prog="tf-adasum launch",
         epilog="Example: tf-adasum launch -n 4 examples/mnist_multiworker.py --epochs 3",
@@ -234,19 +313,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="run the workers in a private network namespace holding only loopback (Linux; root or user namespaces)",
     )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        metavar="H",
+        help="run the workers on H emulated hosts, network namespaces with addresses of their own (Linux; "
+        "ip and tc; root or user namespaces)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        help="with --hosts: each host's link rate, both directions (tc syntax: 1gbit, 100mbit)",
+    )
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error(f"-n must be >= 1. Received: -n {args.num_workers}")
+    if args.hosts is not None and not 1 <= args.hosts <= args.num_workers:
+        parser.error(f"--hosts must be from 1 to -n ({args.num_workers}). Received: --hosts {args.hosts}")
+    if args.link is not None and (args.hosts is None or not LINK_RATE.fullmatch(args.link)):
+        parser.error(f"--link must be a rate such as 1gbit or 100mbit, with --hosts. Received: --link {args.link}")
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script!r}")
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C, so the workers are stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        return launch(args.num_workers, [sys.executable, args.script, *args.args], isolate_network=args.isolate_network)
+        return launch(
+            args.num_workers,
+            [sys.executable, args.script, *args.args],
+            isolate_network=args.isolate_network,
+            hosts=args.hosts,
+            link=args.link,
+        )
     except NetworkIsolationError as error:
-        print(f"tf-adasum launch: error: --isolate-network: {error.strerror or error}", file=sys.stderr)
+        option = "--hosts" if args.hosts is not None else "--isolate-network"
+        print(f"tf-adasum launch: error: {option}: {error.strerror or error}", file=sys.stderr)
         return 2
 
 

@@ -13,7 +13,12 @@ relaunches the next step on the same folder:
    the chain starts, and the writer dies in its save at the end of epoch 1:
    WRITER_FAULT ``inside`` (only a partial temporary file written) or
    ``between`` (the weights file written, not the metadata naming it);
-2. process 1 (not the writer) dies in the middle of epoch 2;
+2. process 1 (not the writer) dies in the middle of epoch 2, or, with
+   ``TEST_LINK_FAULT`` (``down`` or ``trickle``; on an emulated host of
+   ``tf-adasum launch --hosts``), takes its host's link down (``ip link set
+   eth0 down``) or cuts it to 100 bit/s (far below what a step sends) and trains on: every process must
+   then fail with an error (``step2_error_rank{R}.json``, beside the time of
+   the cut in ``link_cut.json``);
 3. the run completes (``final_rank{R}.npz``; `fit` inside the strategy's
    scope, where loading and saving communicate); then a misconfiguration:
    a folder per process, where only the writer's holds a backup, must be a
@@ -27,7 +32,9 @@ input pipeline starts at `tf_adasum.backup.saved_epoch`, as the README says.
 import contextlib
 import json
 import os
+import subprocess
 import sys
+import time
 import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -155,6 +162,25 @@ class DieMidEpoch(keras.callbacks.Callback):
             os._exit(KILLED)
 
 
+class CutLinkMidEpoch(DieMidEpoch):
+    """Takes this host's link down, or cuts it to a trickle, and trains on."""
+
+    def __init__(self, epoch, fault, out):
+        super().__init__(epoch)
+        self.fault, self.out = fault, out
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 1:
+            with open(os.path.join(self.out, "link_cut.json"), "w") as f:
+                json.dump({"time": time.time()}, f)
+            if self.fault == "down":
+                command = ["ip", "link", "set", "eth0", "down"]
+            else:
+                command = ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf"]
+                command += ["rate", "100bit", "burst", "1600", "limit", "1600"]
+            subprocess.run(command, check=True)
+
+
 def save_state(model, path):
     np.savez(path, *[v.numpy() for v in model.weights], *[v.numpy() for v in model.optimizer.variables])
 
@@ -174,7 +200,10 @@ def run_chain(job, out, step, writer_fault):
         restoring = backup.BackupAndRestore(folder)
     callbacks = [restoring, Report(os.path.join(out, f"step{step}_rank{job.rank}.json"), restoring)]
     if step == 2 and job.rank == 1:
-        callbacks.append(DieMidEpoch(MID_EPOCH_FAULT_EPOCH))
+        fault = os.environ.get("TEST_LINK_FAULT")
+        callbacks.append(
+            CutLinkMidEpoch(MID_EPOCH_FAULT_EPOCH, fault, out) if fault else DieMidEpoch(MID_EPOCH_FAULT_EPOCH)
+        )
     model = job.model()
     # The last step calls `fit` inside the strategy's scope, where Keras' load and
     # save create mirrored variables (collectives): every worker loads and saves.
@@ -216,8 +245,11 @@ def main():
         model = run_chain(job, out, step, writer_fault)
         if step == LAST_STEP:
             run_mismatch(job, out, model)
-    except Exception:
+    except Exception as error:
         traceback.print_exc()
+        report = {"type": type(error).__name__, "message": str(error)[-2000:], "time": time.time()}
+        with open(os.path.join(out, f"step{step}_error_rank{job.rank}.json"), "w") as f:
+            json.dump(report, f)
         os._exit(1)
     sys.stdout.flush()
     if job.strategy is None:
