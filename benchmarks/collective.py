@@ -31,14 +31,15 @@ Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
                reference, not a bound: a design that computes the dot
                products while data arrives may beat it.
 With ``--compression float16`` (or ``bfloat16``), engines local and workers also
-report (under MPI a compressed combine leaves the native op for the driver over
-mpi4py, so a ratio there would mix two paths):
+report (under MPI only with ``--link``: a compressed combine leaves the native
+op for the driver over mpi4py, so on loopback the ratio would mix two paths;
+on a slow link the wire dominates):
   compressed_ms      Adasum with that wire format (`tf_adasum.comm.compression`)
   ratio_compressed   compressed_ms / adasum_ms (below 1: compression pays)
-With ``--link RATE`` (engine workers), each worker runs on a host of its own,
-emulated by ``tf-adasum launch --hosts N --link RATE``: a network namespace per
-host, every host's link limited to RATE (tc syntax, ``1gbit``) both ways. The
-records then also hold:
+With ``--link RATE`` (engines workers and mpi), each process runs on a host of
+its own, emulated by ``tf-adasum launch --hosts N --link RATE`` (``--mpirun``
+for mpi): a network namespace per host, every host's link limited to RATE (tc
+syntax, ``1gbit``) both ways. The records then also hold:
   link                 RATE;  link_floor_ms  2(N-1)/N x S / B, the time for the
                        bytes each host must send through its link (ring or
                        vector halving) at B bits/s
@@ -109,11 +110,13 @@ def _parse_args(argv=None):
         help="TensorFlow's CPU allocator for every path (TF_CPU_ALLOCATOR_USE_BFC); see the module docstring",
     )
     parser.add_argument(
-        "--link", metavar="RATE", help="engine workers on emulated hosts, one each, links at RATE (e.g. 1gbit)"
+        "--link",
+        metavar="RATE",
+        help="engines workers and mpi on emulated hosts, one process each, links at RATE (e.g. 1gbit)",
     )
     args = parser.parse_args(argv)
-    if args.link and not set(args.engine) <= {"workers", "workers-worker"}:
-        parser.error(f"--link runs the engine workers only. Received: --engine {' '.join(args.engine)}")
+    if args.link and "local" in args.engine:
+        parser.error(f"--link runs the engines workers and mpi only. Received: --engine {' '.join(args.engine)}")
     return args
 
 
@@ -173,10 +176,14 @@ def _spawn(engine, n, args):
     import sys
 
     script = os.path.abspath(__file__)
+    hosts = ["--hosts", str(n), "--link", args.link] if args.link else []
     if engine == "workers":
-        hosts = ["--hosts", str(n), "--link", args.link] if args.link else []
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, script, "--engine", "workers-worker"]
         prefix = "[worker 0] "
+    elif args.link:
+        command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, "--mpirun", script]
+        command += ["--engine", "mpi-rank"]
+        prefix = "[mpirun] "
     else:
         from tf_adasum.comm.mpi import mpirun_command
 
@@ -347,6 +354,10 @@ def _mpi_rank(args):
     dtype = tf.as_dtype(args.dtype)
     adasum = tf.function(lambda v: engine.combine([v]))
     rvh_sum = tf.function(lambda v: engine.combine([v], "sum"))
+    compressed = None
+    if args.compression and args.link:  # the driver over mpi4py (see the module docstring)
+        compressed_engine = MPIEngine(select.mpi_world(), compression=args.compression)
+        compressed = tf.function(lambda v: compressed_engine.combine([v]))
     if engine.native is not None:
         native_tf = tf.function(lambda v: mpi_native.allreduce_sum(v, comm, 0.0))
     else:
@@ -372,7 +383,7 @@ def _mpi_rank(args):
 
         pairs = _dots_inputs(elements, comm.size, dtype, comm.rank)
         dots = tf.function(lambda _, pairs=pairs: _dots(pairs))
-        fns = (adasum, native, rvh_sum, native_tf, dots)
+        fns = (adasum, native, rvh_sum, native_tf, dots, *([compressed] if compressed else []))
         calls = [lambda fn=fn, value=value: fn(value) for fn in fns]
         times = _interleaved_medians_ms(calls, args.process_repeats, barrier=comm.Barrier, warmup=args.process_warmup)
         if comm.rank == 0:
@@ -380,7 +391,9 @@ def _mpi_rank(args):
             record["native_tf_ms"] = round(times[3], 3)
             record["ratio_native_tf"] = round(times[0] / times[3], 3)
             record["native_library"] = engine.native is not None
-            print(json.dumps(record), flush=True)
+            if compressed:
+                record = _with_compressed(record, args.compression, times[5])
+            print(json.dumps(_with_link(record, args.link)), flush=True)
 
 
 def _bench_replicas(n, args):

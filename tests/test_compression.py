@@ -59,6 +59,27 @@ def test_round_trip_of_special_values(wire):
     assert back[3, 0] == np.float32(2.0**-126)  # float32's smallest normal, scaled up and back exactly
 
 
+@pytest.mark.parametrize("wire", sorted(WIRES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_native_kernels_encode_and_decode_bitwise_as_the_tf_ops(wire, dtype, rng):
+    """The CPU kernels (TfAdasumEncodeBlocks, TfAdasumDecodeBlocks) against the
+    TensorFlow ops they replace, over magnitudes from subnormal to float32's
+    largest, zeros, infinities, NaNs and peaks that round up on the wire."""
+    if tf_adasum.ops.cpu_kernels() is None:
+        pytest.fail("the native CPU kernels are unavailable here (see the RuntimeWarning)")
+    x = rng.standard_normal((3, 64 * BLOCK)) * np.exp(rng.standard_normal((3, 64 * BLOCK)) * 20)
+    x[0, :BLOCK], x[0, BLOCK : 2 * BLOCK], x[0, 300], x[1, 700], x[1, 1000] = 0.0, 1e-310, np.inf, np.nan, -np.inf
+    x[2, :BLOCK], x[2, BLOCK : 2 * BLOCK], x[2, 2 * BLOCK : 3 * BLOCK] = 65504.0, 3e38, 1e-40
+    x[2, 3 * BLOCK : 4 * BLOCK], x[2, 4 * BLOCK : 5 * BLOCK] = 2.0**14 - 1, -(2.0**-149)
+    with np.errstate(over="ignore"):
+        rows = tf.constant(np.concatenate([x, np.tile(_blocks_rounding_up(rng, wire), (1, 4))]).astype(dtype))
+    wire_dtype = WIRES[wire][0]
+    packed = compression._encode(rows, wire_dtype)
+    assert packed.numpy().tobytes() == compression._tf_encode(rows, wire_dtype).numpy().tobytes()
+    back = compression._decode(packed, rows.dtype)
+    assert back.numpy().tobytes() == compression._tf_decode(packed, rows.dtype).numpy().tobytes()
+
+
 def _blocks_rounding_up(rng, wire):
     """Blocks whose scaled peak rounds up to the next power of two on the
     wire, with tiny elements beside it: the case that makes a second trip

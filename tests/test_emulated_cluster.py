@@ -214,3 +214,38 @@ def test_training_across_hosts(tmp_path):
     for rank in range(4):
         host, _ = np.load(tmp_path / f"collective_rank{rank}.npz")["listener"]
         assert host == f"10.241.0.{1 + rank // 2}", (rank, host)
+
+
+def _mean_per_host_then_adasum(per_rank):
+    """The hierarchical combine of 2 hosts x 2 ranks: each host's mean, then Adasum across the hosts."""
+    return reference.adasum_tree([reference.mean(per_rank[:2]), reference.mean(per_rank[2:])])
+
+
+@pytest.mark.mpi
+@needs_emulated_hosts
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() != 0, reason="mpirun across emulated hosts needs root")
+def test_mpirun_across_hosts(tmp_path):
+    """``--mpirun``: 4 MPI ranks on 2 hosts (1 Gbit/s links), MPI's daemon
+    started on host 1 through the launcher's remote-shell agent: each host is
+    an MPI node of its own (its host name, its ranks' shared-memory group), the
+    collective and training equal the reference, and the hierarchical combine
+    is the mean within each host, then Adasum across the hosts."""
+    command = [sys.executable, "-m", "tf_adasum.launch", "-n", "4", "--hosts", "2", "--link", "1gbit", "--mpirun"]
+    command += [WORKER, "collective,train", str(tmp_path)]
+    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "4 MPI ranks on 2 emulated hosts (10.241.0.1, 10.241.0.2; links of 1gbit" in result.stderr
+    check_collective(tmp_path, 4)
+    check_train(tmp_path, 4, hierarchical_combine=_mean_per_host_then_adasum)
+    for rank in range(4):
+        world = list(np.load(tmp_path / f"train_rank{rank}.npz")["mpi_world"])
+        assert world == [rank, 4, rank % 2, 2], (rank, world)  # rank, size, rank and size on its host
+
+
+def test_mpirun_needs_hosts():
+    with pytest.raises(ValueError, match="Received: mpirun=True, hosts=None"):
+        launch.launch(2, ["true"], mpirun=True)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", LAUNCH_PY, "-n", "2", "--mpirun", LAUNCH_PY], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "--mpirun runs the ranks across emulated hosts: give --hosts too" in result.stderr

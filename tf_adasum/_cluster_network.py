@@ -18,6 +18,17 @@ root or unprivileged user namespaces.
     opens through ``/proc/PID/fd`` (or ``error: ...``), and waits until the
     launcher closes its stdin.
 
+``_cluster_network.py enter ADDRESS PROGRAM [ARGS...]``
+    Runs PROGRAM on the emulated host at ADDRESS: in that host's network
+    namespace and in a new UTS namespace whose host name is
+    ``tf-adasum-host-H`` (H counted from 0), so that MPI tells the hosts
+    apart. The launcher names the namespaces in ``TF_ADASUM_EMULATED_HOSTS``
+    (``LAUNCHER_PID USER_FD ADDRESS=FD...``, descriptors it holds).
+
+``_cluster_network.py rsh [OPTIONS] ADDRESS WORDS...``
+    The same for mpirun's remote-shell agent (``plm_rsh_agent``, in place of
+    ssh): runs ``sh -c "WORDS"`` on the host at ADDRESS.
+
 The namespaces have no name (nothing under ``/var/run/netns``): each lives as
 long as a process or a descriptor uses it, and the links and the bridge go
 with them. The launcher's descriptors and the workers hold them, so they
@@ -35,8 +46,11 @@ import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1
+CLONE_NEWUTS = 0x04000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+#: Where the launcher names its hosts' namespaces for `enter` and `rsh`.
+HOSTS_VARIABLE = "TF_ADASUM_EMULATED_HOSTS"
 
 #: Host h's address is SUBNET + (h + 1); at most 253 hosts.
 SUBNET = "10.241.0."
@@ -166,8 +180,58 @@ def build(hosts: int, rate: str | None) -> tuple[_Namespaces, int, list[int]]:
     return spaces, switch, members
 
 
+def host_name(host: int) -> str:
+    return f"tf-adasum-host-{host}"
+
+
+def _enter_host(address: str) -> None:
+    """Moves this process onto the emulated host at `address` (see the module docstring)."""
+    try:
+        launcher, user, *hosts = os.environ[HOSTS_VARIABLE].split()
+        addresses = [entry.split("=")[0] for entry in hosts]
+        fd = int(hosts[addresses.index(address)].split("=")[1])
+    except (KeyError, ValueError, IndexError):
+        raise OSError(
+            errno.EINVAL, f"no emulated host {address!r} in {HOSTS_VARIABLE}={os.environ.get(HOSTS_VARIABLE)!r}"
+        ) from None
+    libc = _libc()
+    user_path = f"/proc/{launcher}/fd/{user}"
+    if os.stat(user_path).st_ino != os.stat("/proc/self/ns/user").st_ino:
+        with open(user_path) as f:
+            _call(libc.setns, f.fileno(), CLONE_NEWUSER, what="setns(user namespace)")
+    with open(f"/proc/{launcher}/fd/{fd}") as f:
+        _call(libc.setns, f.fileno(), CLONE_NEWNET, what="setns(network namespace)")
+    name = host_name(addresses.index(address)).encode()
+    _call(libc.unshare, CLONE_NEWUTS, what="unshare(CLONE_NEWUTS)")
+    _call(libc.sethostname, name, len(name), what="sethostname")
+
+
+def enter(argv: list[str]) -> int:
+    """``enter ADDRESS PROGRAM [ARGS...]`` or ``rsh [OPTIONS] ADDRESS WORDS...``: see the module docstring."""
+    role, rest = argv[0], argv[1:]
+    if role == "rsh":
+        while rest and rest[0].startswith("-"):  # ssh's options, which mean nothing here
+            rest = rest[1:]
+    if len(rest) < 2:
+        print(f"_cluster_network.py {role}: usage: {role} ADDRESS COMMAND...", file=sys.stderr)
+        return 2
+    try:
+        _enter_host(rest[0])
+    except OSError as error:
+        print(f"_cluster_network.py {role}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    command = ["/bin/sh", "-c", " ".join(rest[1:])] if role == "rsh" else rest[1:]
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:
+        print(f"_cluster_network.py {role}: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
+        return 127
+
+
 def main(argv: list[str]) -> int:
     """``LAUNCHER_PID HOSTS RATE|none``: builds the network, reports, and holds it until stdin closes."""
+    if argv[:1] in (["enter"], ["rsh"]):
+        return enter(argv)
     launcher_pid, hosts, rate = int(argv[0]), int(argv[1]), (None if argv[2] == "none" else argv[2])
     if sys.platform.startswith("linux"):
         _call(_libc().prctl, PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0, what="prctl(PR_SET_PDEATHSIG)")

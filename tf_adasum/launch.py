@@ -31,7 +31,14 @@ root, which is the caller's uid outside). The namespaces have no name: they
 vanish with the launcher and its workers, however they end
 (`tf_adasum/_cluster_network.py` builds them).
 
-The script is the same one a real cluster runs: it builds
+With ``--mpirun`` (and ``--hosts``) the launcher starts no TF_CONFIG
+workers: it runs Open MPI's ``mpirun -np N`` on host 0, with the hosts as its
+node list (the same contiguous blocks of ranks) and
+``_cluster_network.py rsh`` in place of ssh to start its daemon on each other
+host, every host with a host name of its own; MPI's TCP traffic goes over the
+hosts' ``eth0`` links. This needs root (``mpirun --allow-run-as-root``).
+
+Without ``--mpirun``, the script is the same one a real cluster runs: it builds
 ``tf.distribute.MultiWorkerMirroredStrategy()``, which reads ``TF_CONFIG``.
 This module imports only the standard library.
 """
@@ -43,6 +50,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -194,6 +202,58 @@ def _exposure_notice(ports: Sequence[int], isolated: bool, hosts: Sequence[str] 
     )
 
 
+def _mpirun_program() -> str:
+    beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
+    if found is None:
+        raise NetworkIsolationError(f"mpirun was not found beside {sys.executable} or on PATH (Open MPI is needed)")
+    return found
+
+
+def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], hosts: int, link: str | None) -> int:
+    """`launch` with ``mpirun=True``: one mpirun on host 0 (see the module docstring)."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        raise NetworkIsolationError("mpirun across emulated hosts needs Linux and root")
+    program = _mpirun_program()
+    network, addresses = _emulated_hosts(hosts, link)
+    try:
+        blocks = [[i * hosts // num_ranks for i in range(num_ranks)].count(h) for h in range(hosts)]
+        env = dict(env, PYTHONUNBUFFERED="1")
+        env["TF_ADASUM_EMULATED_HOSTS"] = " ".join(
+            [str(os.getpid()), str(network[0]), *(f"{a}={fd}" for a, fd in zip(addresses, network[2:]))]
+        )
+        on_host = [sys.executable, "-I", "-S", CLUSTER_NETWORK]
+        mpirun = [program, "-np", str(num_ranks), "--allow-run-as-root", "--map-by", "slot:OVERSUBSCRIBE"]
+        mpirun += ["--host", ",".join(f"{a}:{n}" for a, n in zip(addresses, blocks))]
+        mpirun += ["--mca", "plm_rsh_agent", " ".join([*on_host, "rsh"])]
+        mpirun += ["--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0"]
+        print(
+            f"tf-adasum launch: {num_ranks} MPI ranks on {hosts} emulated hosts ({', '.join(addresses)}; links of "
+            f"{link or 'unlimited rate'} each way; ranks per host {blocks}), private network namespaces that "
+            "nothing outside can reach.",
+            file=sys.stderr,
+            flush=True,
+        )
+        process = subprocess.Popen(
+            _bootstrap("worker", "--", *on_host, "enter", addresses[0], *mpirun, *command),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        thread = threading.Thread(target=_forward, args=(process.stdout, "[mpirun] ", threading.Lock()), daemon=True)
+        thread.start()
+        try:
+            code = process.wait()
+        finally:
+            _stop([process])
+        thread.join(timeout=GRACE_SECONDS)
+    finally:
+        for fd in network:  # held until mpirun is gone: its daemons enter the hosts through them
+            os.close(fd)
+    return 128 - code if code < 0 else code
+
+
 def launch(
     num_workers: int,
     command: Sequence[str],
@@ -202,6 +262,7 @@ def launch(
     isolate_network: bool = False,
     hosts: int | None = None,
     link: str | None = None,
+    mpirun: bool = False,
 ) -> int:
     """Runs `command` as `num_workers` workers of a localhost cluster.
 
@@ -223,6 +284,9 @@ def launch(
         address; 1 <= hosts <= num_workers.
       link: with `hosts`, each host's link rate in both directions, in tc's
         syntax (``"1gbit"``, ``"100mbit"``); None: no limit.
+      mpirun: with `hosts`, run `command` as `num_workers` MPI ranks under
+        one ``mpirun`` (the one beside this Python, else on PATH) across the
+        emulated hosts instead of as TF_CONFIG workers (as root).
 
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
@@ -247,7 +311,13 @@ def launch(
             "`link` must be a rate in tc's syntax such as '1gbit' or '100mbit', with `hosts`. "
             f"Received: link={link!r}, hosts={hosts!r}"
         )
+    if not isinstance(mpirun, bool) or (mpirun and hosts is None):
+        raise ValueError(
+            f"`mpirun` must be a bool, True only with `hosts`. Received: mpirun={mpirun!r}, hosts={hosts!r}"
+        )
     base = dict(os.environ if env is None else env)
+    if mpirun:
+        return _launch_mpirun(num_workers, command, base, hosts, link)
     if hosts is not None:
         network, addresses = _emulated_hosts(hosts, link)
         host_of = [i * hosts // num_workers for i in range(num_workers)]
@@ -325,6 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="RATE",
         help="with --hosts: each host's link rate, both directions (tc syntax: 1gbit, 100mbit)",
     )
+    parser.add_argument(
+        "--mpirun",
+        action="store_true",
+        help="with --hosts: run the script as N MPI ranks under one mpirun across the hosts (as root)",
+    )
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -334,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--hosts must be from 1 to -n ({args.num_workers}). Received: --hosts {args.hosts}")
     if args.link is not None and (args.hosts is None or not LINK_RATE.fullmatch(args.link)):
         parser.error(f"--link must be a rate such as 1gbit or 100mbit, with --hosts. Received: --link {args.link}")
+    if args.mpirun and args.hosts is None:
+        parser.error("--mpirun runs the ranks across emulated hosts: give --hosts too")
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script!r}")
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C, so the workers are stopped too.
@@ -345,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             isolate_network=args.isolate_network,
             hosts=args.hosts,
             link=args.link,
+            mpirun=args.mpirun,
         )
     except NetworkIsolationError as error:
         option = "--hosts" if args.hosts is not None else "--isolate-network"

@@ -174,7 +174,7 @@ def cpu_kernels():
         return _cpu_loaded[0]
 
 
-def _native_for(x: tf.Tensor):
+def native_for(x: tf.Tensor):
     """The native kernels' module when `x` is on a CPU (or, placed nowhere
     yet, when this process sees no GPU) and they are available; else None."""
     device_type = tf.DeviceSpec.from_string(x.device or "").device_type
@@ -199,7 +199,7 @@ def partial_dots(a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor:
     Returns:
       A float64 tensor of shape ``[num_tensors, 3]``.
     """
-    native = _native_for(a)
+    native = native_for(a)
     if native is not None:
         return native.tf_adasum_partial_dots(
             a, b, first=segments.first, counts=list(segments.counts), num_tensors=segments.num_tensors
@@ -224,7 +224,7 @@ def coefficients(partials: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 def scaled_sum(a: tf.Tensor, b: tf.Tensor, c_a: tf.Tensor, c_b: tf.Tensor, segments: Segments) -> tf.Tensor:
     """``c_a * a + c_b * b`` per tensor for two ``[m]`` slices, computed in float64
     and cast to ``a.dtype``; returns ``[m]``."""
-    native = _native_for(a)
+    native = native_for(a)
     if native is not None:
         out = native.tf_adasum_scaled_sum(
             a, b, c_a, c_b, first=segments.first, counts=list(segments.counts), num_tensors=segments.num_tensors
@@ -240,7 +240,7 @@ def scale_and_check(x: tf.Tensor, scale) -> tuple[tf.Tensor, tf.Tensor]:
     native pass over `x`."""
     x = tf.convert_to_tensor(x)
     scale = tf.cast(scale, x.dtype)
-    native = _native_for(x)
+    native = native_for(x)
     if native is not None:
         return native.tf_adasum_scale_and_check(x, scale)
     y = x * scale

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_adasum import ops
 from tf_adasum.ops import BLOCK
 
 __all__ = ["COMPRESSIONS", "Compressed", "check_compression", "compressed", "round_trip"]
@@ -78,7 +79,15 @@ def _clamped(exponent: tf.Tensor) -> tf.Tensor:
 
 def _encode(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     """``[r, m]`` float32/float64 (m a multiple of `BLOCK`) -> ``[r, m / BLOCK * (BLOCK + 2)]``
-    in `wire`: per block, its scaled values, then its exponent."""
+    in `wire`: per block, its scaled values, then its exponent. On CPUs in one
+    native pass (`tf_adasum.ops.native_for`), bitwise the same as the ops below."""
+    native = ops.native_for(rows)
+    if native is not None:
+        return native.tf_adasum_encode_blocks(rows, W=wire)
+    return _tf_encode(rows, wire)
+
+
+def _tf_encode(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     x = tf.reshape(tf.cast(rows, tf.float64), [tf.shape(rows)[0], -1, BLOCK])
     peak = tf.reduce_max(tf.abs(x), axis=2)
     usable = tf.math.is_finite(peak) & (peak > 0.0)
@@ -95,6 +104,13 @@ def _encode(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
 
 def _decode(packed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """Inverse of `_encode`: ``[r, blocks * (BLOCK + 2)]`` in the wire dtype -> ``[r, blocks * BLOCK]``."""
+    native = ops.native_for(packed)
+    if native is not None:
+        return native.tf_adasum_decode_blocks(packed, T=dtype)
+    return _tf_decode(packed, dtype)
+
+
+def _tf_decode(packed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     blocks = tf.reshape(packed, [tf.shape(packed)[0], -1, BLOCK + 2])
     exponent = tf.cast(tf.bitcast(blocks[..., BLOCK:], tf.int32), tf.int64)
     values = tf.cast(blocks[..., :BLOCK], tf.float64) * _power_of_two(exponent)[..., None]
