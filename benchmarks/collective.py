@@ -40,9 +40,9 @@ With ``--link RATE`` (engines workers and mpi), each process runs on a host of
 its own, emulated by ``tf-adasum launch --hosts N --link RATE`` (``--mpirun``
 for mpi): a network namespace per host, every host's link limited to RATE (tc
 syntax, ``1gbit``) both ways. The records then also hold:
-  link                 RATE;  link_floor_ms  2(N-1)/N x S / B, the time for the
-                       bytes each host must send through its link (ring or
-                       vector halving) at B bits/s
+  link                 RATE;  link_floor_ms  2(N-1)/N x 8 S / B: the time a link of
+                       B bits/s needs for what each host must send in an
+                       all-reduce of S bytes (ring or vector halving)
   ratio_to_link_floor  adasum_ms / link_floor_ms; native_ratio_to_link_floor
                        and (with --compression) compressed_ratio_to_link_floor
                        the same for the native all-reduce and the compressed wire

@@ -276,11 +276,15 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
         assert not temporaries and len(weights) == 2
         assert [w.startswith("epoch-000002-") for w in weights if w != metadata["weights"]] == [True]
 
-    if engine in LINK_FAULTS:  # every worker fails, with a clear error, within the timeout after the cut
+    if engine in LINK_FAULTS:  # the workers fail, with a clear error, within the timeout after the cut
         reports = step(2, 1)
         cut = json.loads((tmp_path / "link_cut.json").read_text())["time"]
-        for rank in range(2):
-            error = json.loads((tmp_path / f"step2_error_rank{rank}.json").read_text())
+        # The first to fail reports; the launcher then stops the other, which
+        # reports too if its own error came first (TF's wait cannot be interrupted).
+        paths = [tmp_path / f"step2_error_rank{rank}.json" for rank in range(2)]
+        errors = [json.loads(path.read_text()) for path in paths if path.exists()]
+        assert errors, "\n".join(outputs)
+        for error in errors:
             assert error["type"] in ("DeadlineExceededError", "UnavailableError"), error
             # TF's coordination service (a peer's heartbeats stop, or this worker's own do not
             # get through) or the combine's own timeout; which comes first depends on the cut

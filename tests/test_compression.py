@@ -71,13 +71,14 @@ def test_native_kernels_encode_and_decode_bitwise_as_the_tf_ops(wire, dtype, rng
     x[0, :BLOCK], x[0, BLOCK : 2 * BLOCK], x[0, 300], x[1, 700], x[1, 1000] = 0.0, 1e-310, np.inf, np.nan, -np.inf
     x[2, :BLOCK], x[2, BLOCK : 2 * BLOCK], x[2, 2 * BLOCK : 3 * BLOCK] = 65504.0, 3e38, 1e-40
     x[2, 3 * BLOCK : 4 * BLOCK], x[2, 4 * BLOCK : 5 * BLOCK] = 2.0**14 - 1, -(2.0**-149)
-    with np.errstate(over="ignore"):
-        rows = tf.constant(np.concatenate([x, np.tile(_blocks_rounding_up(rng, wire), (1, 4))]).astype(dtype))
     wire_dtype = WIRES[wire][0]
-    packed = compression._encode(rows, wire_dtype)
-    assert packed.numpy().tobytes() == compression._tf_encode(rows, wire_dtype).numpy().tobytes()
-    back = compression._decode(packed, rows.dtype)
-    assert back.numpy().tobytes() == compression._tf_decode(packed, rows.dtype).numpy().tobytes()
+    with tf.device("/CPU:0"):  # where the native kernels run, also on a machine with a GPU
+        with np.errstate(over="ignore"):
+            rows = tf.constant(np.concatenate([x, np.tile(_blocks_rounding_up(rng, wire), (1, 4))]).astype(dtype))
+        packed = compression._encode(rows, wire_dtype)
+        assert packed.numpy().tobytes() == compression._tf_encode(rows, wire_dtype).numpy().tobytes()
+        back = compression._decode(packed, rows.dtype)
+        assert back.numpy().tobytes() == compression._tf_decode(packed, rows.dtype).numpy().tobytes()
 
 
 def _blocks_rounding_up(rng, wire):

@@ -22,7 +22,8 @@ root or unprivileged user namespaces.
     Runs PROGRAM on the emulated host at ADDRESS: in that host's network
     namespace and in a new UTS namespace whose host name is
     ``tf-adasum-host-H`` (H counted from 0), so that MPI tells the hosts
-    apart. The launcher names the namespaces in ``TF_ADASUM_EMULATED_HOSTS``
+    apart, as process 1 of a new PID namespace (so that everything it starts
+    ends with it). The launcher names the namespaces in ``TF_ADASUM_EMULATED_HOSTS``
     (``LAUNCHER_PID USER_FD ADDRESS=FD...``, descriptors it holds).
 
 ``_cluster_network.py rsh [OPTIONS] ADDRESS WORDS...``
@@ -47,6 +48,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 CLONE_NEWUTS = 0x04000000
+CLONE_NEWPID = 0x20000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 #: Where the launcher names its hosts' namespaces for `enter` and `rsh`.
@@ -221,11 +223,40 @@ def enter(argv: list[str]) -> int:
         print(f"_cluster_network.py {role}: {error.strerror or error}", file=sys.stderr)
         return 2
     command = ["/bin/sh", "-c", " ".join(rest[1:])] if role == "rsh" else rest[1:]
+    if role == "enter":
+        return _run_as_namespace_init(command)
     try:
         os.execvp(command[0], command)
     except OSError as error:
         print(f"_cluster_network.py {role}: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
         return 127
+
+
+def _run_as_namespace_init(command: list[str]) -> int:
+    """Runs `command` as process 1 of a new PID namespace and returns its
+    exit code (128 + S for signal S). Whatever it starts stays in that
+    namespace, however it detaches (MPI's ranks lead process groups of their
+    own), and the kernel kills all of it when process 1 ends: when this
+    process dies, by a parent-death signal that kills process 1."""
+    libc = _libc()
+    _call(libc.unshare, CLONE_NEWPID, what="unshare(CLONE_NEWPID)")
+    child = os.fork()
+    if child == 0:
+        try:
+            _call(libc.prctl, PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0, what="prctl(PR_SET_PDEATHSIG)")
+            os.execvp(command[0], command)
+        except OSError as error:
+            print(f"_cluster_network.py enter: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
+        os._exit(127)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # passed on; process 1 ignores the unhandled
+        signal.signal(signum, lambda number, frame: os.kill(child, number))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
 def main(argv: list[str]) -> int:

@@ -55,6 +55,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -72,10 +73,18 @@ CLUSTER_NETWORK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_clu
 HOST_PORT_BASE = 20000
 #: A link rate in tc's syntax: bits per second with an SI prefix.
 LINK_RATE = re.compile(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)")
+#: At most this many emulated hosts (addresses 10.241.0.1 to .253).
+MAX_HOSTS = 253
+
+
+def _is_rate(link) -> bool:
+    """Whether `link` is a positive rate in tc's syntax (lower case, as `LINK_RATE`)."""
+    return isinstance(link, str) and bool(LINK_RATE.fullmatch(link)) and float(re.match(r"[\d.]+", link)[0]) > 0
 
 
 class NetworkIsolationError(OSError):
-    """The system refused the private network namespace ``isolate_network=True`` asks for."""
+    """The system refused the network namespaces ``isolate_network=True`` or
+    ``hosts=H`` ask for (or, with ``mpirun=True``, there is no root or no mpirun)."""
 
 
 def free_ports(count: int) -> list[int]:
@@ -176,8 +185,14 @@ def _emulated_hosts(hosts: int, link: str | None) -> tuple[list[int], list[str]]
         raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
     args = [sys.executable, "-I", "-S", CLUSTER_NETWORK, str(os.getpid()), str(hosts), link or "none"]
     holder, words = _holder(args, f"{hosts} emulated hosts")
+    fds: list[int] = []
     try:
-        fds = [os.open(f"/proc/{holder.pid}/fd/{word.split('@')[0]}", os.O_RDONLY) for word in words]
+        for word in words:
+            fds.append(os.open(f"/proc/{holder.pid}/fd/{word.split('@')[0]}", os.O_RDONLY))
+    except OSError as error:
+        for fd in fds:
+            os.close(fd)
+        raise NetworkIsolationError(f"cannot open the emulated hosts' namespaces ({error})") from None
     finally:
         _release(holder)
     return fds, [word.split("@")[1] for word in words[2:]]
@@ -213,12 +228,18 @@ def _mpirun_program() -> str:
 def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], hosts: int, link: str | None) -> int:
     """`launch` with ``mpirun=True``: one mpirun on host 0 (see the module docstring)."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        raise NetworkIsolationError("mpirun across emulated hosts needs Linux and root")
+        raise NetworkIsolationError(
+            f"mpirun across emulated hosts needs Linux and root. Received: sys.platform={sys.platform!r}, "
+            f"euid={os.geteuid() if hasattr(os, 'geteuid') else None}"
+        )
     program = _mpirun_program()
     network, addresses = _emulated_hosts(hosts, link)
+    # MPI's session directories are named by process ids, which repeat in the
+    # PID namespace: a folder of their own (a killed run leaves one behind).
+    session = tempfile.mkdtemp(prefix="tf-adasum-mpirun-")
     try:
         blocks = [[i * hosts // num_ranks for i in range(num_ranks)].count(h) for h in range(hosts)]
-        env = dict(env, PYTHONUNBUFFERED="1")
+        env = dict(env, PYTHONUNBUFFERED="1", TMPDIR=session)
         env["TF_ADASUM_EMULATED_HOSTS"] = " ".join(
             [str(os.getpid()), str(network[0]), *(f"{a}={fd}" for a, fd in zip(addresses, network[2:]))]
         )
@@ -251,6 +272,7 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
     finally:
         for fd in network:  # held until mpirun is gone: its daemons enter the hosts through them
             os.close(fd)
+        shutil.rmtree(session, ignore_errors=True)
     return 128 - code if code < 0 else code
 
 
@@ -264,7 +286,8 @@ def launch(
     link: str | None = None,
     mpirun: bool = False,
 ) -> int:
-    """Runs `command` as `num_workers` workers of a localhost cluster.
+    """Runs `command` as `num_workers` workers of a cluster on this machine
+    (localhost, or emulated hosts), or with `mpirun` as MPI ranks.
 
     Prints one line on stderr first: which ports the workers' gRPC servers
     will open, and who can reach them. Each worker runs under a supervisor
@@ -291,12 +314,15 @@ def launch(
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
       (a worker killed by signal S gives 128 + S; a program that cannot be
-      started gives 127, with the reason in the output).
+      started gives 127, with the reason in the output); with `mpirun`,
+      mpirun's exit code.
 
     Raises:
       NetworkIsolationError: `isolate_network` or `hosts` is set and the
-        system refuses a network namespace (or `ip`/`tc` fail); no worker was
-        started.
+        system refuses a network namespace (or `ip`/`tc` fail), or `mpirun`
+        is set without root or without an mpirun; no worker was started.
+      TypeError, ValueError: an argument of the wrong type or value, named
+        with the value received.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"`num_workers` must be an int >= 1. Received: num_workers={num_workers!r}")
@@ -304,16 +330,25 @@ def launch(
         raise ValueError("`command` must name a program to run. Received: command=[]")
     if not isinstance(isolate_network, bool):
         raise TypeError(f"`isolate_network` must be a bool. Received: isolate_network={isolate_network!r}")
-    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= num_workers):
-        raise ValueError(f"`hosts` must be an int from 1 to num_workers={num_workers}. Received: hosts={hosts!r}")
-    if link is not None and (hosts is None or not isinstance(link, str) or not LINK_RATE.fullmatch(link)):
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)):
+        raise TypeError(f"`hosts` must be an int or None. Received: hosts={hosts!r}")
+    if hosts is not None and not 1 <= hosts <= min(num_workers, MAX_HOSTS):
         raise ValueError(
-            "`link` must be a rate in tc's syntax such as '1gbit' or '100mbit', with `hosts`. "
+            f"`hosts` must be from 1 to num_workers={num_workers} (at most {MAX_HOSTS}). Received: hosts={hosts!r}"
+        )
+    if link is not None and (hosts is None or not _is_rate(link)):
+        raise ValueError(
+            "`link` must be a positive rate in tc's syntax such as '1gbit' or '100mbit', with `hosts`. "
             f"Received: link={link!r}, hosts={hosts!r}"
         )
-    if not isinstance(mpirun, bool) or (mpirun and hosts is None):
+    if not isinstance(mpirun, bool):
+        raise TypeError(f"`mpirun` must be a bool. Received: mpirun={mpirun!r}")
+    if mpirun and hosts is None:
+        raise ValueError("`mpirun` runs the ranks on emulated hosts: give `hosts`. Received: mpirun=True, hosts=None")
+    if isolate_network and hosts is not None:
         raise ValueError(
-            f"`mpirun` must be a bool, True only with `hosts`. Received: mpirun={mpirun!r}, hosts={hosts!r}"
+            "`isolate_network` and `hosts` exclude each other (the emulated hosts are private already). "
+            f"Received: isolate_network=True, hosts={hosts!r}"
         )
     base = dict(os.environ if env is None else env)
     if mpirun:
@@ -370,12 +405,13 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``tf-adasum launch -n N [--isolate-network | --hosts H [--link RATE]] script.py [args...]``;
+    """``tf-adasum launch -n N [--isolate-network | --hosts H [--link RATE] [--mpirun]] script.py [args...]``;
     returns the exit code."""
     parser = argparse.ArgumentParser(
         prog="tf-adasum launch",
         epilog="Example: tf-adasum launch -n 4 examples/mnist_multiworker.py --epochs 3",
-        description="Start N local workers of a MultiWorkerMirroredStrategy cluster (TF_CONFIG on localhost).",
+        description="Start N workers of a MultiWorkerMirroredStrategy cluster on this machine (TF_CONFIG on "
+        "localhost or on emulated hosts), or N MPI ranks across emulated hosts.",
     )
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="number of worker processes")
     parser.add_argument(
@@ -405,9 +441,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error(f"-n must be >= 1. Received: -n {args.num_workers}")
-    if args.hosts is not None and not 1 <= args.hosts <= args.num_workers:
-        parser.error(f"--hosts must be from 1 to -n ({args.num_workers}). Received: --hosts {args.hosts}")
-    if args.link is not None and (args.hosts is None or not LINK_RATE.fullmatch(args.link)):
+    if args.hosts is not None and not 1 <= args.hosts <= min(args.num_workers, MAX_HOSTS):
+        parser.error(
+            f"--hosts must be from 1 to -n ({args.num_workers}), at most {MAX_HOSTS}. Received: --hosts {args.hosts}"
+        )
+    if args.hosts is not None and args.isolate_network:
+        parser.error("--isolate-network and --hosts exclude each other (the emulated hosts are private already)")
+    if args.link is not None and (args.hosts is None or not _is_rate(args.link)):
         parser.error(f"--link must be a rate such as 1gbit or 100mbit, with --hosts. Received: --link {args.link}")
     if args.mpirun and args.hosts is None:
         parser.error("--mpirun runs the ranks across emulated hosts: give --hosts too")
@@ -425,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mpirun=args.mpirun,
         )
     except NetworkIsolationError as error:
-        option = "--hosts" if args.hosts is not None else "--isolate-network"
+        option = "--mpirun" if args.mpirun else "--hosts" if args.hosts is not None else "--isolate-network"
         print(f"tf-adasum launch: error: {option}: {error.strerror or error}", file=sys.stderr)
         return 2
 
