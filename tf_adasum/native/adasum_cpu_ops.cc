@@ -318,6 +318,15 @@ void DecodeBlock(const W* in, T* out) {
   for (int64_t i = 0; i < kBlock; ++i) out[i] = static_cast<T>(static_cast<double>(static_cast<float>(in[i])) * scale);
 }
 
+// work(b) for each of `blocks` blocks, kChunk / kBlock blocks per unit of work.
+template <typename Work>
+void RunBlocks(OpKernelContext* context, int64_t blocks, const Work& work) {
+  constexpr int64_t kPerChunk = kChunk / kBlock;
+  RunChunks(context, (blocks + kPerChunk - 1) / kPerChunk, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo * kPerChunk; b < std::min(blocks, hi * kPerChunk); ++b) work(b);
+  });
+}
+
 // [r, m] T (m a multiple of kBlock) -> [r, m / kBlock * kPacked] W.
 template <typename T, typename W>
 class EncodeBlocksOp : public OpKernel {
@@ -335,12 +344,7 @@ class EncodeBlocksOp : public OpKernel {
                                 0, TensorShape({rows.dim_size(0), rows.dim_size(1) / kBlock * kPacked}), &packed));
     const T* in = rows.flat<T>().data();
     W* out = packed->flat<W>().data();
-    const int64_t per_chunk = kChunk / kBlock;
-    RunChunks(context, (blocks + per_chunk - 1) / per_chunk, [&](int64_t lo, int64_t hi) {
-      for (int64_t b = lo * per_chunk; b < std::min(blocks, hi * per_chunk); ++b) {
-        EncodeBlock(in + b * kBlock, out + b * kPacked);
-      }
-    });
+    RunBlocks(context, blocks, [&](int64_t b) { EncodeBlock(in + b * kBlock, out + b * kPacked); });
   }
 };
 
@@ -361,12 +365,7 @@ class DecodeBlocksOp : public OpKernel {
                                 0, TensorShape({packed.dim_size(0), packed.dim_size(1) / kPacked * kBlock}), &rows));
     const W* in = packed.flat<W>().data();
     T* out = rows->flat<T>().data();
-    const int64_t per_chunk = kChunk / kBlock;
-    RunChunks(context, (blocks + per_chunk - 1) / per_chunk, [&](int64_t lo, int64_t hi) {
-      for (int64_t b = lo * per_chunk; b < std::min(blocks, hi * per_chunk); ++b) {
-        DecodeBlock(in + b * kPacked, out + b * kBlock);
-      }
-    });
+    RunBlocks(context, blocks, [&](int64_t b) { DecodeBlock(in + b * kPacked, out + b * kBlock); });
   }
 };
 
