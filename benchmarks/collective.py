@@ -56,9 +56,11 @@ TensorFlow is imported: ``main`` called in a process that has TensorFlow
 already keeps its allocator, whatever ``cpu_allocator`` then says.)
 Times are medians over repeats of one call each, the methods called in turn
 within each repeat (TF paths inside a tf.function traced beforehand; MPI ranks
-start each call together after a barrier, worker processes meet in the
-collectives themselves). Process engines first run ``--process-warmup`` untimed
-rounds (default 20): between worker processes the first rounds are slow, for
+start each call together after a barrier, and so, since 2026-12-06, do
+worker processes: a one-element sum over tf_adasum's socket transport; before
+that they met in the collectives themselves, so a call's time could include a
+peer still finishing the call before it). Process engines first run
+``--process-warmup`` untimed rounds (default 20): between worker processes the first rounds are slow, for
 Adasum more than for the native all-reduce (on 2026-12-03, workers, N = 4,
 16 MiB, one worker's calls: Adasum 112-210 ms in the first 13 rounds, mostly
 80-120 after; the native 81-151, then 61-97), and a training run, thousands of
@@ -289,15 +291,20 @@ def _workers_worker(args):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     # Fixed repeat counts: every worker must issue the same collectives.
     is_chief = strategy.cluster_resolver.task_id == 0
+    cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
+    with strategy.scope():
+        one = strategy.experimental_distribute_values_from_function(lambda ctx: tf.ones([1]))
+        meet = tf.function(lambda v: cross_device_ops.batch_reduce_combine([v], "sum"))
     _bench_strategy(
         "workers",
         strategy,
-        tf_adasum.AdasumCrossDeviceOps(),
+        cross_device_ops,
         args,
         args.process_repeats,
         0.0,
         is_chief,
         args.process_warmup,
+        barrier=lambda: _wait(meet(one)),
     )
     # A worker finishes a collective once it has its own result, while a peer
     # may still be pulling this worker's last buffer. Every worker enters the
@@ -408,9 +415,10 @@ def _bench_replicas(n, args):
     _bench_strategy("local", strategy, cross_device_ops, args, args.repeats, args.min_seconds, True)
 
 
-def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report, warmup=1):
+def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_seconds, report, warmup=1, barrier=None):
     """Times Adasum, the strategy's native SUM all-reduce and the plain-sum
-    collective for each size; prints the record when `report`."""
+    collective for each size (`barrier`, if given, before each call); prints
+    the record when `report`."""
     import tf_adasum
 
     dtype = tf.as_dtype(args.dtype)
@@ -437,7 +445,7 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
             calls.append(lambda dots=dots, pairs=pairs: dots(pairs))
             if args.compression:
                 calls.append(lambda value=value: compressed(value))
-            times = _interleaved_medians_ms(calls, repeats, min_seconds, warmup=warmup)
+            times = _interleaved_medians_ms(calls, repeats, min_seconds, barrier=barrier, warmup=warmup)
             if report:
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 _with_compressed(record, args.compression, times[-1])

@@ -2,7 +2,8 @@
 
 Each host is a network namespace with an address of its own, joined to the
 others by a rate-limited link. These tests check the network itself (addresses,
-placement, both directions limited, nothing left behind, a clear refusal) and
+placement, both directions limited, a host's link limiting what several hosts
+send it, nothing left behind, a clear refusal) and
 training across the hosts with MultiWorkerMirroredStrategy; the link faults run
 in test_backup.py (the relaunch must resume bitwise). They skip, with the
 reason, where this system refuses network namespaces.
@@ -99,6 +100,17 @@ def _wait_for(paths, process, seconds):
         time.sleep(0.05)
 
 
+def _communicate(process, seconds):
+    """`process`'s (stdout, stderr) once it ends; killed if it has not ended
+    within `seconds` (then `TimeoutExpired` fails the test)."""
+    try:
+        return process.communicate(timeout=seconds)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
 def _namespace_holders(inodes: set[str]) -> list[str]:
     """Which processes still use (are in, or hold a descriptor of) the network namespaces `inodes`."""
     holders = []
@@ -141,6 +153,63 @@ def test_hosts_have_their_own_addresses_and_links_limited_both_ways(tmp_path):
     assert reports[0]["round_trip_seconds"] > floor, reports[0]
     notice = [line for line in stderr.splitlines() if line.startswith("tf-adasum launch:")]
     assert notice and "2 emulated hosts (10.241.0.1, 10.241.0.2; links of 10mbit each way)" in notice[0], stderr
+
+
+#: Workers 1 and 2 each send a message to worker 0 at once (incast); worker 0
+#: reports how long, from the first connection, it took to receive both.
+_INCAST = textwrap.dedent(
+    """
+    import json, os, socket, sys, threading, time
+    config = json.loads(os.environ["TF_CONFIG"])
+    index, out, nbytes = config["task"]["index"], sys.argv[1], int(sys.argv[2])
+    host, port = config["cluster"]["worker"][0].rsplit(":", 1)
+    report = {}
+    if index == 0:
+        server = socket.create_server((host, int(port)))
+        def receive(sock):
+            got = 0
+            while got < nbytes:
+                got += len(sock.recv(1 << 20))
+        first, _ = server.accept()
+        start = time.monotonic()
+        threads = [threading.Thread(target=receive, args=(first,))]
+        threads[0].start()
+        second, _ = server.accept()
+        threads.append(threading.Thread(target=receive, args=(second,)))
+        threads[1].start()
+        for thread in threads:
+            thread.join()
+        report["seconds"] = time.monotonic() - start
+    else:
+        for _ in range(400):
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=60)
+                break
+            except OSError:
+                time.sleep(0.05)
+        sock.sendall(b"x" * nbytes)
+        sock.close()
+    with open(os.path.join(out, f"worker{index}.tmp"), "w") as f:
+        json.dump(report, f)
+    os.rename(os.path.join(out, f"worker{index}.tmp"), os.path.join(out, f"worker{index}.json"))
+    """
+)
+
+
+@needs_emulated_hosts
+def test_a_hosts_link_limits_what_it_receives_from_several_hosts(tmp_path):
+    """Incast: hosts 1 and 2 send 0.5 MB each to host 0 at once over
+    10 Mbit/s links. Their own links would let both through in about 0.4 s;
+    the switch's side of host 0's link holds the pair to its rate, so the
+    1 MB cannot arrive in less than the link allows, less one bucket's burst
+    (0.75 s)."""
+    nbytes = 500_000
+    launcher = _start(tmp_path, _INCAST, "-n", "3", "--hosts", "3", "--link", "10mbit", args=[str(nbytes)])
+    stdout, stderr = _communicate(launcher, 120)
+    assert launcher.returncode == 0, stdout + stderr
+    seconds = json.loads((tmp_path / "worker0.json").read_text())["seconds"]
+    burst = 64 * 1024 + 1514  # what a full bucket lets through at once (_cluster_network._token_bucket)
+    assert seconds > (2 * nbytes - burst) * 8 / 10e6, seconds
 
 
 @needs_emulated_hosts

@@ -24,8 +24,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 #: Tensors of every tree call: awkward lengths around the 128-element blocks of
-#: the Python path, an empty one and a 2-D one.
-SHAPES = [(1,), (3,), (127,), (128,), (129,), (1000,), (70000,), (0,), (7, 13), (5,)]
+#: the Python path, an empty one and a 2-D one; 70000 elements, more than one
+#: message (256 KiB) of the native op in float64 at the first level, and then
+#: 30000-element ones, each under a message, so that runs of them fill several.
+SHAPES = [(1,), (3,), (127,), (128,), (129,), (1000,), (70000,), (0,), (7, 13), (5,)] + [(30000,)] * 4
 ZERO_ON_EVEN_RANKS = 3  # Adasum(0, b) == b: the norm guard
 SAME_ON_ALL_RANKS = 9  # Adasum(a, a) == a
 DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -148,6 +148,19 @@ def _bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
+#: The most bytes one message of the tree carries, as in the native op
+#: (``kMaxMessageBytes`` in ``tf_adasum/native/adasum_mpi_ops.cc``): over TCP,
+#: Open MPI moves large messages far below a link's rate, and pieces of this
+#: size near it when each receive is posted just before its send.
+MESSAGE_BYTES = 256 << 10
+
+
+def _pieces(array: np.ndarray) -> list[np.ndarray]:
+    """`array`'s bytes in messages of at most `MESSAGE_BYTES` (views)."""
+    raw = _bytes(array)
+    return [raw[start : start + MESSAGE_BYTES] for start in range(0, raw.size, MESSAGE_BYTES)] or [raw]
+
+
 def allreduce_sum(comm, values: np.ndarray, timeout: float, what: str) -> np.ndarray:
     """The elementwise float64 sum of `values` over the ranks of `comm`."""
     values = np.ascontiguousarray(values, dtype=np.float64)
@@ -288,11 +301,11 @@ class MPICommunicator:
         self._timeout = timeout_seconds
 
     def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
-        """Sends `send` to `peer` while receiving its message into `receive`."""
-        requests = [
-            self.comm.Irecv(_bytes(receive), source=peer, tag=0),
-            self.comm.Isend(_bytes(send), dest=peer, tag=0),
-        ]
+        """Sends `send` to `peer` while receiving its message into `receive`
+        (same size), in `MESSAGE_BYTES` pieces: receive k, then send k."""
+        requests = []
+        for incoming, outgoing in zip(_pieces(receive), _pieces(send)):
+            requests += [self.comm.Irecv(incoming, source=peer, tag=0), self.comm.Isend(outgoing, dest=peer, tag=0)]
         wait(requests, self._timeout, f"{what} with rank {peer}")
 
     def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
@@ -325,7 +338,8 @@ class MPICommunicator:
 
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
         def send(values):
-            wait([self.comm.Isend(_bytes(values), dest=peer, tag=1)], self._timeout, f"a send to rank {peer}")
+            requests = [self.comm.Isend(piece, dest=peer, tag=1) for piece in _pieces(values)]
+            wait(requests, self._timeout, f"a send to rank {peer}")
             return values
 
         return self._chain.call(send, [x], x.dtype, x.shape)
@@ -333,7 +347,8 @@ class MPICommunicator:
     def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
         def recv(template):
             out = np.empty_like(template)
-            wait([self.comm.Irecv(_bytes(out), source=peer, tag=1)], self._timeout, f"a receive from rank {peer}")
+            requests = [self.comm.Irecv(piece, source=peer, tag=1) for piece in _pieces(out)]
+            wait(requests, self._timeout, f"a receive from rank {peer}")
             return out
 
         return self._chain.call(recv, [like], like.dtype, like.shape)

@@ -102,8 +102,11 @@ class SocketCommunicator:
 
         def gather(mine):
             out = aligned_empty(2 * mine.nbytes).reshape(2, -1)
-            out[me] = mine
-            self._mesh.exchange(peer, tag, mine, out[1 - me], what)
+
+            def copy_mine():  # after the send: the copy overlaps the transfer's tail
+                out[me] = mine
+
+            self._mesh.exchange(peer, tag, mine, out[1 - me], what, while_receiving=copy_mine)
             return out.reshape(-1)
 
         return _from_bytes(self._call(gather, [mine], nbytes), x.dtype)

@@ -39,7 +39,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -410,17 +410,29 @@ class Mesh:
             self.link(peer, deadline)
 
     def exchange(
-        self, peer: int, tag: int, outgoing: np.ndarray | None, into: np.ndarray | int | None, what: str
+        self,
+        peer: int,
+        tag: int,
+        outgoing: np.ndarray | None,
+        into: np.ndarray | int | None,
+        what: str,
+        while_receiving: Callable[[], None] | None = None,
     ) -> np.ndarray | None:
         """Sends `outgoing` (if any) to `peer` while receiving its message with
         `tag` into `into` (a uint8 array, or a byte count for a fresh buffer;
-        None: nothing to receive); returns the received bytes (uint8)."""
+        None: nothing to receive); returns the received bytes (uint8).
+        `while_receiving`, if given, is called once the send has been handed
+        to the kernel and before the wait for the receive: work that then
+        overlaps the tail of the transfer (the kernel's socket buffers and a
+        slow link's queue still hold the last milliseconds of it)."""
         deadline = time.monotonic() + self.timeout if self.timeout else None
         link = self.link(peer, deadline)
         try:
             receive = None if into is None else link.post(tag, into)
             if outgoing is not None:
                 link.send(tag, outgoing, what)
+            if while_receiving is not None:
+                while_receiving()
             return None if receive is None else link.wait(receive, deadline, what)
         except BaseException as error:  # a receive posted but never waited for must not take a later message
             if not isinstance(error, tf.errors.OpError):
