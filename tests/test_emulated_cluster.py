@@ -155,8 +155,9 @@ def test_hosts_have_their_own_addresses_and_links_limited_both_ways(tmp_path):
     assert notice and "2 emulated hosts (10.241.0.1, 10.241.0.2; links of 10mbit each way)" in notice[0], stderr
 
 
-#: Workers 1 and 2 each send a message to worker 0 at once (incast); worker 0
-#: reports how long, from the first connection, it took to receive both.
+#: Workers 1 and 2 each send a message to worker 0 at once (incast): both
+#: connect, worker 0 tells both to go, and reports how long it then took to
+#: receive both messages.
 _INCAST = textwrap.dedent(
     """
     import json, os, socket, sys, threading, time
@@ -166,17 +167,20 @@ _INCAST = textwrap.dedent(
     report = {}
     if index == 0:
         server = socket.create_server((host, int(port)))
+        senders = [server.accept()[0] for _ in range(2)]
         def receive(sock):
             got = 0
             while got < nbytes:
-                got += len(sock.recv(1 << 20))
-        first, _ = server.accept()
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionError(f"the sender closed after {got} bytes")
+                got += len(chunk)
+        threads = [threading.Thread(target=receive, args=(sock,)) for sock in senders]
         start = time.monotonic()
-        threads = [threading.Thread(target=receive, args=(first,))]
-        threads[0].start()
-        second, _ = server.accept()
-        threads.append(threading.Thread(target=receive, args=(second,)))
-        threads[1].start()
+        for sock in senders:
+            sock.sendall(b"g")
+        for thread in threads:
+            thread.start()
         for thread in threads:
             thread.join()
         report["seconds"] = time.monotonic() - start
@@ -187,6 +191,7 @@ _INCAST = textwrap.dedent(
                 break
             except OSError:
                 time.sleep(0.05)
+        assert sock.recv(1) == b"g"
         sock.sendall(b"x" * nbytes)
         sock.close()
     with open(os.path.join(out, f"worker{index}.tmp"), "w") as f:

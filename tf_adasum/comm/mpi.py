@@ -304,7 +304,7 @@ class MPICommunicator:
         """Sends `send` to `peer` while receiving its message into `receive`
         (same size), in `MESSAGE_BYTES` pieces: receive k, then send k."""
         requests = []
-        for incoming, outgoing in zip(_pieces(receive), _pieces(send)):
+        for incoming, outgoing in zip(_pieces(receive), _pieces(send), strict=True):
             requests += [self.comm.Irecv(incoming, source=peer, tag=0), self.comm.Isend(outgoing, dest=peer, tag=0)]
         wait(requests, self._timeout, f"{what} with rank {peer}")
 

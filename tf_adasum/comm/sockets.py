@@ -421,10 +421,8 @@ class Mesh:
         """Sends `outgoing` (if any) to `peer` while receiving its message with
         `tag` into `into` (a uint8 array, or a byte count for a fresh buffer;
         None: nothing to receive); returns the received bytes (uint8).
-        `while_receiving`, if given, is called once the send has been handed
-        to the kernel and before the wait for the receive: work that then
-        overlaps the tail of the transfer (the kernel's socket buffers and a
-        slow link's queue still hold the last milliseconds of it)."""
+        `while_receiving`, if given, runs after the send is handed to the
+        kernel, before the wait: work that overlaps the transfer's tail."""
         deadline = time.monotonic() + self.timeout if self.timeout else None
         link = self.link(peer, deadline)
         try:
