@@ -56,11 +56,11 @@ TensorFlow is imported: ``main`` called in a process that has TensorFlow
 already keeps its allocator, whatever ``cpu_allocator`` then says.)
 Times are medians over repeats of one call each, the methods called in turn
 within each repeat (TF paths inside a tf.function traced beforehand; MPI ranks
-start each call together after a barrier, and so, since 2026-12-06, do
-worker processes: a one-element sum over tf_adasum's socket transport; before
-that they met in the collectives themselves, so a call's time could include a
-peer still finishing the call before it). Process engines first run
-``--process-warmup`` untimed rounds (default 20): between worker processes the first rounds are slow, for
+start each call together after a barrier, and so do worker processes: a
+one-element sum over tf_adasum's socket transport; records of the worker engine
+dated before 2026-12-06 were taken without it). Process engines first run
+``--process-warmup`` untimed rounds (default 20): between worker processes the
+first rounds are slow, for
 Adasum more than for the native all-reduce (on 2026-12-03, workers, N = 4,
 16 MiB, one worker's calls: Adasum 112-210 ms in the first 13 rounds, mostly
 80-120 after; the native 81-151, then 61-97), and a training run, thousands of

@@ -27,8 +27,9 @@
 // Inputs are read in place and results written straight into the outputs
 // (which take over the inputs' buffers when nothing else holds them); small
 // tensors' pieces share MPI messages (an hindexed datatype), large ones go
-// as messages of their own, none over 256 KiB (kMaxMessageBytes). Every wait polls against `timeout_seconds`
-// and fails with DEADLINE_EXCEEDED naming the call and the peer.
+// as messages of their own, none over 256 KiB (kMaxMessageBytes). Every wait
+// polls against `timeout_seconds` and fails with DEADLINE_EXCEEDED naming the
+// call and the peer.
 
 #include <atomic>
 #include <cstdio>
@@ -308,15 +309,16 @@ class Messages {
     std::vector<std::pair<char*, int64_t>> run;  // (address, bytes) of small pieces
     int64_t run_bytes = 0;
     Status status;
+    auto end_run = [&] {  // the run so far becomes a message
+      if (status.ok()) status = Flush(&run);
+      run.clear();
+      run_bytes = 0;
+    };
     view.layout->ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
       char* address = reinterpret_cast<char*>(view.At(t, begin));
       const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
       if (bytes < kOwnMessageBytes) {
-        if (run_bytes + bytes > kMaxMessageBytes) {
-          if (status.ok()) status = Flush(&run);
-          run.clear();
-          run_bytes = 0;
-        }
+        if (run_bytes + bytes > kMaxMessageBytes) end_run();
         if (!run.empty() && run.back().first + run.back().second == address) {
           run.back().second += bytes;  // adjacent (flat storage): one block
         } else {
@@ -325,15 +327,13 @@ class Messages {
         run_bytes += bytes;
         return;
       }
-      if (status.ok()) status = Flush(&run);
-      run.clear();
-      run_bytes = 0;
+      end_run();
       for (int64_t done = 0; done < bytes; done += kMaxMessageBytes) {
         parts_.push_back({address + done, static_cast<int>(std::min(kMaxMessageBytes, bytes - done)), MPI_BYTE});
       }
     });
-    TF_RETURN_IF_ERROR(status);
-    return Flush(&run);
+    end_run();
+    return status;
   }
 
   size_t size() const { return parts_.size(); }
