@@ -40,6 +40,7 @@ LAYERS = {
     "keras_step": 7,
     "local_steps": 7,
     "optimizer_args": 7,
+    "optimizer_members": 7,
     "optimizer": 8,
     "simulation": 8,  # beside the optimizer: the same step, every replica in one process
     "callbacks": 9,

@@ -29,6 +29,7 @@ from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import diagnostics as diagnostics_lib
 from tf_adasum import keras_step, ops, optimizer_args
+from tf_adasum import optimizer_members as members
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
 from tf_adasum.local_steps import LocalSteps
@@ -37,7 +38,7 @@ __all__ = ["AdasumOptimizer"]
 
 
 @keras.saving.register_keras_serializable(package="tf_adasum")
-class AdasumOptimizer(keras.optimizers.Optimizer):
+class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that data-parallel replicas combine with Adasum.
 
     Args:
@@ -139,25 +140,10 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         self.engine: engines_base.Engine | None = None
         self._diagnostics = diagnostics_lib.Recorder()
 
-    # -- forwarding, as keras.optimizers.LossScaleOptimizer does ---------------
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def variables(self):
-        return self._variables + self.inner_optimizer.variables
-
     def build(self, var_list):
+        """The wrapper's own: chooses the engine (once), checks that every
+        replica has the same variables, builds the inner optimizer, then the
+        wrapper's state (local steps, AdaCons, diagnostics)."""
         strategy = self._distribution_strategy
         self.engine = select.make_engine(self.backend, strategy, self.compression)
         self.engine.check_same_variables(var_list)  # before any variable: creating one is a collective
@@ -223,6 +209,8 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
     # -- the step ----------------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
+        """The wrapper's own step (see the module docstring): local inner
+        steps on every replica, then the combine. Call it in a replica context."""
         trainable_variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -354,6 +342,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
         state.load(list(zip(map(keras_step.tf_variable, self.variables), values)), self.engine.num_replicas)
 
     def get_config(self):
+        """The wrapper's settings, with the inner optimizer serialised inside."""
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -371,6 +360,7 @@ class AdasumOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds the inner optimizer from `config`, then the wrapper."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
