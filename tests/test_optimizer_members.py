@@ -12,15 +12,19 @@ import inspect
 import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
+from multiprocess import WORKER, worker, worker_env
 from simulation import BATCH, IN, OUT, data
 
 import tf_adasum
+from tf_adasum.comm import mpi as mpi_transport
 from tf_adasum.optimizer_members import FORWARDED, MEMBERS, OWN, REFUSED, ForwardedToInner
 
 KERAS_OPTIMIZER = keras.optimizers.Optimizer
@@ -239,6 +243,43 @@ def test_exclude_from_weight_decay_reaches_the_inner_optimizer(n, kwargs, when, 
                 assert value.tobytes() == want.tobytes()
             else:
                 np.testing.assert_allclose(value, want, rtol=1e-6)
+
+
+def _process_command(launcher, n):
+    if launcher == "tf-adasum launch":
+        return [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), WORKER]
+    try:
+        return mpi_transport.mpirun_command(n) + [sys.executable, WORKER]
+    except FileNotFoundError as error:
+        pytest.fail(str(error))
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        pytest.param("tf-adasum launch", marks=pytest.mark.multiworker),  # the worker engine (sockets)
+        pytest.param("mpirun", marks=pytest.mark.mpi),  # the MPI engine
+    ],
+)
+def test_exclude_from_weight_decay_across_processes(launcher, tmp_path):
+    n = 2
+    command = _process_command(launcher, n) + ["weight_decay", str(tmp_path)]
+    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    results = {}
+    for decay in ("excluded", "everywhere"):
+        model = worker.dense_model(seed=30)
+        adamw = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+        if decay == "excluded":
+            adamw.exclude_from_weight_decay(var_names=["bias"])
+        for _ in range(2):
+            adamw.apply_gradients(zip([tf.constant(g) for g in worker.weight_decay_gradients()], model.weights))
+        results[decay] = [w.numpy() for w in model.weights]
+    assert not np.allclose(results["excluded"][1], results["everywhere"][1])
+    for rank in range(n):
+        got = np.load(tmp_path / f"weight_decay_rank{rank}.npz")
+        for i, want in enumerate(results["excluded"]):
+            np.testing.assert_allclose(got[f"arr_{i}"], want, rtol=1e-6, err_msg=f"rank {rank}")
 
 
 # -- one replica: exactly the inner optimizer, as Keras' users exercise one -----------

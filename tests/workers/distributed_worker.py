@@ -16,7 +16,9 @@ simulation, so the oracle lives in the tests):
 * ``killed``: rank 1 dies mid-training; the others must fail, not hang;
 * ``killed_combine``: rank 1 dies between two combines over the socket
   transport; rank 0's second must fail at once, naming the lost worker;
-* ``uneven``: rank 0 has one batch more; its extra step must time out.
+* ``uneven``: rank 0 has one batch more; its extra step must time out;
+* ``weight_decay``: AdamW through the wrapper with the bias excluded from
+  weight decay on the wrapper; every rank applies the same gradients.
 """
 
 import json
@@ -256,6 +258,36 @@ def run_uneven(engine, out):
         time.sleep(TIMEOUT_SECONDS + 5)
 
 
+def weight_decay_gradients() -> list[np.ndarray]:
+    """The gradients of the ``weight_decay`` task (kernel, bias of `dense_model`)."""
+    return [np.linspace(-1.0, 1.0, IN * OUT, dtype=np.float32).reshape(IN, OUT), np.full(OUT, 0.5, np.float32)]
+
+
+def run_weight_decay(engine, out):
+    """Two steps of AdamW(0.1, weight_decay=0.5) with the bias excluded on the
+    wrapper; the same gradients on every rank, so the weights must be plain
+    AdamW's (tf.distribute's replicas get them scaled by 1 / replicas)."""
+    with engine.scope():
+        model = dense_model(seed=30)
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.AdamW(0.1, weight_decay=0.5))
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        optimizer.build(model.trainable_variables)
+    scale = 1.0 if engine.strategy is None else 1.0 / engine.size
+    grads = [tf.constant(g * scale) for g in weight_decay_gradients()]
+
+    @tf.function
+    def step():
+        apply = lambda: optimizer.apply_gradients(zip(grads, model.trainable_variables))  # noqa: E731
+        if engine.strategy is None:
+            apply()
+        else:
+            engine.strategy.run(apply)
+
+    for _ in range(2):
+        step()
+    np.savez(os.path.join(out, f"weight_decay_rank{engine.rank}.npz"), *[w.numpy() for w in model.weights])
+
+
 def _report(out, task, rank, fn):
     result = {"raised": False}
     start = time.monotonic()
@@ -277,6 +309,7 @@ TASKS = {
     "killed": run_killed,
     "killed_combine": run_killed_combine,
     "uneven": run_uneven,
+    "weight_decay": run_weight_decay,
 }
 
 
