@@ -100,7 +100,8 @@ def check_over_sockets(out: str, n: int) -> None:
 
 def check_train(out: str, n: int, hierarchical_combine) -> None:
     """Final weights equal the numpy simulation started from rank 0's initial
-    weights, on every rank (bitwise identical across ranks)."""
+    weights, on every rank (bitwise identical across ranks); every rank reports
+    the epoch's loss as the mean of each rank's own (`_epoch_loss`)."""
     x, y = simulation_data(worker.TRAIN_STEPS)
     results = [np.load(os.path.join(out, f"train_rank{r}.npz")) for r in range(n)]
     adacons = lambda per_rank: reference.adacons(per_rank, restore_magnitude=True)[0]  # noqa: E731 (delta mode)
@@ -114,6 +115,21 @@ def check_train(out: str, n: int, hierarchical_combine) -> None:
                 assert result[f"{name}_{key}"].tobytes() == results[0][f"{name}_{key}"].tobytes()
             assert int(result[f"{name}_iterations"]) == worker.TRAIN_STEPS
             assert float(result[f"{name}_loss"]) == float(results[0][f"{name}_loss"])
+        want_loss = _epoch_loss(initial, x, y, n, combine)
+        np.testing.assert_allclose(float(results[0][f"{name}_loss"]), want_loss, rtol=1e-5, err_msg=name)
+
+
+def _epoch_loss(initial, x, y, n: int, combine) -> float:
+    """The mean over ranks of each rank's own epoch loss: the mean over steps of
+    the MSE on its shard at the weights before the step (the simulation's)."""
+    b = BATCH // n
+    per_step = []
+    for step in range(worker.TRAIN_STEPS):
+        kernel, bias = simulate(initial, x, y, n, step, SGD(), combine)
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        error = x[rows].astype(np.float64) @ kernel + bias - y[rows]
+        per_step.append((error**2).reshape(n, b, -1).mean(axis=(1, 2)))  # one loss per rank
+    return float(np.mean(per_step))
 
 
 def check_diagnostics(out: str, n: int) -> None:

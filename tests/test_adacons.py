@@ -166,15 +166,29 @@ def test_state_restored_from_a_checkpoint_continues_identically(tmp_path):
 
 
 def test_diagnostics_show_weights_and_fallbacks():
-    x, y = data(2)
-    strategy = mirrored(3)[0]
+    n, steps = 3, 2
+    x, y = data(steps)
+    strategy = mirrored(n)[0]
     with strategy.scope():
         model = _model()
+        initial = [w.numpy() for w in model.weights]
         model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.05), combiner="adacons"), loss="mse")
-    history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[tf_adasum.AdasumDiagnostics(every_n_steps=1)])
-    weights = [history.history[f"adasum/adacons/weight_{r}"][-1] for r in range(3)]
-    assert sum(weights) == pytest.approx(1.0)
-    assert history.history["adasum/adacons/fallbacks"][-1] == 0
+    keys = [f"adasum/adacons/weight_{r}" for r in range(n)] + ["adasum/adacons/fallbacks"]
+    logged = []  # what the diagnostics put in each step's logs
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda _, logs: logged.append([logs[k] for k in keys]))
+    diagnostics = tf_adasum.AdasumDiagnostics(every_n_steps=1)
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[diagnostics, record])
+    # The reference on the same deltas (SGD without momentum; delta mode restores the magnitude).
+    oracle, expected = ReferenceAdaCons(restore_magnitude=True), []
+
+    def combine(per_rank):
+        result = oracle(per_rank)
+        expected.append([*oracle.state["weights"][0], oracle.state["fallbacks"]])
+        return result
+
+    simulate(initial, x, y, n, steps, SGD(lr=0.05, momentum=0.0), combine)
+    np.testing.assert_allclose(logged, expected, rtol=1e-5, atol=1e-7)
+    assert [history.history[k][-1] for k in keys] == logged[-1]
 
 
 @pytest.mark.parametrize(
@@ -262,5 +276,24 @@ def test_checkpoint_loads_at_another_replica_count(replicas, tmp_path):
         np.testing.assert_array_equal(saved.numpy(), loaded.numpy())
     assert int(restored.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
     assert int(restored.optimizer._adacons_state.steps.numpy()) == 0
-    restored.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)  # trains on from there
-    assert all(np.isfinite(w.numpy()).all() for w in restored.weights)
+    # It trains on from there: each replica's SGD from the saved momentum (replica
+    # 0's), AdaCons from a fresh start, as the reference does it.
+    slots = [m.numpy() for m in restored.optimizer.inner_optimizer.momentums]  # in the variables' order
+    assert all(np.any(m != 0) for m in slots)
+    start = [w.numpy() for w in restored.weights]
+    restored.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    oracle = ReferenceAdaCons(restore_magnitude=True)  # delta mode
+    expected = simulate(start, x, y, replicas, 2, _SGDFrom(slots, lr=0.1, momentum=0.9), oracle)
+    for got, want in zip(restored.weights, expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+class _SGDFrom(SGD):
+    """The simulation's SGD, every replica starting from the given momentum buffers."""
+
+    def __init__(self, momentums, **kwargs):
+        super().__init__(**kwargs)
+        self.momentums = momentums
+
+    def init(self, weights):
+        return [np.asarray(m, np.float64) for m in self.momentums]

@@ -158,26 +158,43 @@ def test_sum_and_mean_compressed(combiner, oracle, rng):
     assert relative_error(result[0], oracle(per_rank)[0]) <= COMPRESSED_TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
-def test_training_with_compression_matches_the_simulation(wire):
+def _train_two_replicas(compression):
+    """The weights after 3 Adam steps of a Dense layer on 2 replicas, and the start."""
     x, y = _data(3)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         keras.utils.set_random_seed(7)
         model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
         initial = [w.numpy() for w in model.weights]
-        optimizer = tf_adasum.AdasumOptimizer(Adam().keras(), compression=wire)
+        optimizer = tf_adasum.AdasumOptimizer(Adam().keras(), compression=compression)
         model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert optimizer.engine.compression == wire
+    assert optimizer.engine.compression == compression
     for variable in model.weights:
         values = [v.numpy() for v in strategy.experimental_local_results(variable)]
         assert all(v.tobytes() == values[0].tobytes() for v in values), variable.name
+    return [w.numpy() for w in model.weights], initial
+
+
+@pytest.fixture(scope="module")
+def uncompressed_training():
+    return _train_two_replicas(None)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_training_with_compression_matches_the_simulation(wire, uncompressed_training):
+    weights, initial = _train_two_replicas(wire)
+    x, y = _data(3)
     expected = simulate(initial, x, y, 2, 3, Adam(), reference.adasum_tree)
-    for got, want, start in zip(model.weights, expected, initial):
+    plain, plain_initial = uncompressed_training
+    for got, want, start, exact, plain_start in zip(weights, expected, initial, plain, plain_initial):
         # The compressed combine is within the wire's tolerance of the exact one, step by step.
         step = np.linalg.norm(want - start)
-        assert np.linalg.norm(got.numpy() - want) <= 3 * COMPRESSED_TOLERANCE[wire] * step
+        assert np.linalg.norm(got - want) <= 3 * COMPRESSED_TOLERANCE[wire] * step
+        # And it was compressed: the same run without compression ends elsewhere.
+        np.testing.assert_array_equal(plain_start, start)
+        assert not np.array_equal(exact, got), "the same weights as without compression"
+        assert np.linalg.norm(exact - want) <= TOLERANCE["float32"] * step
 
 
 def test_the_optimizer_takes_the_cross_device_ops_compression():
