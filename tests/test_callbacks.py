@@ -72,8 +72,27 @@ def test_outputs(tmp_path):
     assert 0.5 - 1e-9 <= history.history["adasum/orthogonality"][-1] <= 1.0 + 1e-9
     # By default the logs (so the progress line) carry the model-level value only.
     assert [k for k in history.history if k.startswith("adasum/")] == ["adasum/orthogonality"]
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    # TensorBoard holds every statistic of every recorded step, the model-level one included.
+    logged = _scalars(tmp_path / "tb")
+    for step, record in callback.records:
+        assert logged[("adasum/orthogonality", step)] == pytest.approx(callbacks.model_orthogonality(record))
+        for path, stats in record.items():
+            for stat, value in stats.items():
+                assert logged[(f"adasum/{path}/{stat}", step)] == pytest.approx(value, rel=1e-6, nan_ok=True)
+    assert {step for _, step in logged} == {0, 2, 4}
     assert os.path.getsize(tmp_path / "diag.png") > 1000
+
+
+def _scalars(log_dir) -> dict[tuple[str, int], float]:
+    """``{(tag, step): value}`` of the scalar summaries in `log_dir`'s event files."""
+    import tensorflow as tf
+
+    scalars = {}
+    for name in os.listdir(log_dir):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(log_dir, name)):
+            for value in event.summary.value:
+                scalars[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    return scalars
 
 
 def test_logged_per_tensor_statistics():
