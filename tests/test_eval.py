@@ -166,6 +166,34 @@ def test_largest_reached():
     assert lines[1].endswith("keras K=1: largest effective batch reaching 0.900: 256 (N=4 x 64) (of 256, 1024)")
 
 
+def test_lr_and_schedule_reach_every_run_and_its_optimizer():
+    """--lr and --schedule set every configuration, of a custom grid or of a
+    preset, and the learning rate of the optimizer each run trains with."""
+    import keras
+
+    from tf_adasum.eval.runner import optimizer_for
+
+    def learning_rate_at(config, iteration):  # at 10 steps per epoch
+        optimizer = optimizer_for(config, steps_per_epoch=10)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # the Keras baselines are not wrapped
+        assert isinstance(inner, keras.optimizers.Adam)
+        inner.iterations.assign(iteration)
+        return float(optimizer.learning_rate)
+
+    grid = ["--combiners", "adasum", "keras", "--epochs", "4"]
+    (default, _) = cli.build_grid(_args(*grid))
+    assert (default.lr, default.schedule) == (1e-3, "cosine")
+    assert learning_rate_at(default, 20) == pytest.approx(5e-4)  # half-way down the cosine
+    (cosine, _) = cli.build_grid(_args(*grid, "--lr", "0.02"))
+    assert (cosine.lr, cosine.schedule) == (0.02, "cosine")
+    assert [learning_rate_at(cosine, i) for i in (0, 20, 40)] == pytest.approx([0.02, 0.01, 0.0])
+    for preset in ([], ["--preset", "paper"]):
+        configs = cli.build_grid(_args(*preset, *grid, "--lr", "0.02", "--schedule", "constant"))
+        assert {c.combiner for c in configs} == {"adasum", "keras"}
+        assert {(c.lr, c.schedule) for c in configs} == {(0.02, "constant")}
+        assert [learning_rate_at(c, 35) for c in configs] == pytest.approx([0.02] * len(configs))
+
+
 def test_custom_grid_skips_keras_with_local_steps():
     configs = cli.build_grid(_args("--combiners", "adasum", "keras", "--local-steps", "1", "4", "--replicas", "2"))
     assert sorted((c.combiner, c.local_steps) for c in configs) == [("adasum", 1), ("adasum", 4), ("keras", 1)]
@@ -361,6 +389,11 @@ def test_small_resnet_on_idx_data(tmp_path, capsys):
     assert cli.main(argv) == 0
     (record,) = [json.loads(line) for line in open(tmp_path / "out" / "results.jsonl", encoding="utf-8")]
     assert record["model"] == "resnet" and record["dataset"] == "fashion_mnist"
+    assert (record["replicas"], record["batch_per_replica"], record["effective_batch"]) == (2, 8, 16)
+    (accuracy,) = record["accuracy_per_epoch"]
+    # Measured on the folder's 32 test images (not the 10,000 of Fashion-MNIST): a multiple of 1/32.
+    assert accuracy * 32 == pytest.approx(round(accuracy * 32), abs=1e-9)
+    assert record["final_acc"] == record["best_acc"] == accuracy
 
 
 def test_timing_models(tmp_path, capsys):
@@ -369,12 +402,17 @@ def test_timing_models(tmp_path, capsys):
         "--timing-steps", "1", "--out", str(tmp_path),
     ]  # fmt: skip
     assert cli.main(argv) == 0
-    records = [json.loads(line) for line in open(tmp_path / "timing.jsonl", encoding="utf-8")]
-    assert [r["combiner"] for r in records] == ["adasum"]
-    for record in records:
-        assert record["seconds_per_step"] > 0 and 0 < record["communication_share"] <= 1
-        assert record["params"] > 1_000_000
-    assert "comm.share" in capsys.readouterr().out
+    (record,) = [json.loads(line) for line in open(tmp_path / "timing.jsonl", encoding="utf-8")]
+    expected = {"model": "bert", "combiner": "adasum", "engine": "local-devices", "replicas": 2, "batch_per_replica": 2}
+    assert {k: record[k] for k in expected} == expected
+    from tf_adasum.eval.models import build
+
+    assert record["params"] == sum(int(np.prod(w.shape)) for w in build("bert").trainable_weights)
+    assert record["seconds_per_step"] > 0 and record["combine_seconds"] > 0
+    share = min(record["combine_seconds"] / record["seconds_per_step"], 1.0)
+    assert record["communication_share"] == pytest.approx(share)
+    out = capsys.readouterr().out
+    assert "comm.share" in out and f"{record['params']:,}" in out and f"{share:.1%}" in out
     assert not (tmp_path / "results.jsonl").exists()  # only timing was asked for
 
 

@@ -66,11 +66,13 @@ def test_modes_and_local_steps(n, mode, k):
     assert int(optimizer.iterations.numpy()) == (4 if mode == "delta" else 4 // k)
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean"])
-def test_baseline_combiners(combiner):
+@pytest.mark.parametrize(
+    "combiner, n, mode", [("sum", 3, "delta"), ("mean", 3, "delta"), ("sum", 4, "gradient")], ids=lambda v: str(v)
+)
+def test_baseline_combiners(combiner, n, mode):
     inner = SGD()
-    model, _, initial, x, y = _fit(3, inner, combiner=combiner)
-    _assert_close(model, simulate(initial, x, y, 3, 3, inner, COMBINERS[combiner]))
+    model, _, initial, x, y = _fit(n, inner, combiner=combiner, mode=mode)
+    _assert_close(model, simulate(initial, x, y, n, 3, inner, COMBINERS[combiner], mode=mode))
 
 
 def test_hierarchical_on_one_worker_is_averaging():
@@ -118,3 +120,33 @@ def test_one_replica_is_exactly_the_inner_optimizer():
         results.append([w.numpy() for w in model.weights])
     for a, b in zip(*results):
         assert a.tobytes() == b.tobytes()
+
+
+TENSOR_COLUMNS = [
+    "delta_norm_min", "delta_norm_mean", "delta_norm_max", "combined_norm", "orthogonality", "delta_sq_sum",
+]  # fmt: skip
+LEVEL_COLUMNS = [f"{q}_{s}" for q in ("cos", "coef_a", "coef_b") for s in ("min", "mean", "max")]
+
+
+@pytest.mark.parametrize(
+    "n, kwargs, levels",
+    [(1, {}, 0), (3, {}, 2), (2, {"combiner": "mean"}, 0), (2, {"hierarchical": True}, 0)],
+    ids=["1-replica", "3-adasum", "2-mean", "2-hierarchical"],
+)
+def test_num_replicas_combined_and_diagnostics_columns(n, kwargs, levels):
+    """Per-level columns only where an Adasum tree runs: one per level, the
+    non-power-of-two fold counting as one (N=3: the fold, then one pair)."""
+    x, y = _data(1)
+    strategy = _strategy(n)
+    with strategy.scope():
+        model = _model()
+        optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+        assert optimizer.num_replicas_combined == n  # before it is built: the strategy's
+        model.compile(optimizer=optimizer, loss="mse")
+    callback = tf_adasum.AdasumDiagnostics(every_n_steps=1)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[callback])
+    assert optimizer.num_replicas_combined == n
+    expected = TENSOR_COLUMNS + [f"level{k}/{stat}" for k in range(levels) for stat in LEVEL_COLUMNS]
+    assert optimizer.diagnostics_columns() == expected
+    ((_, record),) = callback.records
+    assert [list(stats) for stats in record.values()] == [expected] * len(model.trainable_variables)
