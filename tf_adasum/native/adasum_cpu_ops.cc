@@ -307,7 +307,7 @@ void EncodeBlock(const T* in, W* out) {
   const double scale = PowerOfTwo(-e);
   for (int64_t i = 0; i < kBlock; ++i) out[i] = W(static_cast<double>(in[i]) * scale);
   const int32_t exponent = static_cast<int32_t>(e);
-  std::memcpy(out + kBlock, &exponent, sizeof(exponent));
+  std::memcpy(static_cast<void*>(out + kBlock), &exponent, sizeof(exponent));
 }
 
 template <typename W, typename T>
