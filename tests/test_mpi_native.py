@@ -138,11 +138,18 @@ def test_native_ops_under_mpirun(built_library, tmp_path):
         _check_collectives(tmp_path, k)
     with open(tmp_path / "deadline.json", encoding="utf-8") as f:
         report = json.load(f)
-    assert report["raised"] and report["deadline_exceeded"], report
-    message = report["message"]
-    assert "the exchange of level 0 with rank 1 did not complete within 3 s" in message, message
+    first, retry = report["first"], report["retry"]
+    assert first["raised"] and first["type"] == "DeadlineExceededError", first
+    message = first["message"]
+    assert "the layout agreement with rank 1 did not complete within 3 s" in message, message
     assert "different numbers of steps" in message and "TF_ADASUM_MPI_TIMEOUT" in message, message
-    assert worker.DEADLINE_SECONDS <= report["seconds"] < worker.DEADLINE_SECONDS + 5, report
+    # What the code promises: not before the deadline (the function was traced before the clock started;
+    # the upper bound only says that it did not hang, on a busy machine).
+    assert worker.DEADLINE_SECONDS <= first["seconds"] < worker.DEADLINE_SECONDS + 60, first
+    # The failure is latched: the retry fails at once, naming the first failure, and waits for nobody.
+    assert retry["raised"] and retry["type"] == "FailedPreconditionError", retry
+    assert "stays failed" in retry["message"] and "did not complete within 3 s" in retry["message"], retry
+    assert retry["seconds"] < worker.DEADLINE_SECONDS, retry
 
 
 # -- in this process: no MPI is initialised ----------------------------------------
@@ -157,6 +164,7 @@ def test_unavailable_library_falls_back_with_one_warning(env, cause, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(mpi_native, "_loaded", [])  # as in a fresh process
+    monkeypatch.setattr(mpi_native, "_warned", [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert mpi_native.load() is None

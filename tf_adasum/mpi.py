@@ -19,11 +19,17 @@ makes them equal anyway.
 
 Outside an MPI launcher (plain ``python train.py``) these report one process
 (rank 0 of 1) without importing mpi4py.
+
+Arguments are checked on every call, with or without a launcher, before any
+MPI call: a `TypeError` or `ValueError` names the argument and the value
+received (an MPI call that one rank skipped would leave the others waiting
+for their deadline).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 
 import keras
 import numpy as np
@@ -74,10 +80,38 @@ def local_size() -> int:
     return world.local_size if world else 1
 
 
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _check_variables(variables, name: str = "variables") -> list:
+    """`variables` as a list, or a TypeError naming what is wrong."""
+    if not isinstance(variables, Sequence) or isinstance(variables, (str, bytes)):
+        raise TypeError(
+            f"`{name}` must be a list of variables. Received: {name}={_shown(variables)} "
+            f"(of type {type(variables).__name__})"
+        )
+    for i, variable in enumerate(variables):
+        if not all(hasattr(variable, a) for a in ("shape", "dtype", "numpy", "assign")):
+            raise TypeError(
+                f"`{name}[{i}]` must be a variable (tf.Variable or keras.Variable). Received: "
+                f"{name}[{i}]={_shown(variable)} (of type {type(variable).__name__})"
+            )
+    return list(variables)
+
+
+def _check_text(value, name: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be a string. Received: {name}={_shown(value)}")
+
+
 def check_same_variables(variables: Sequence, what: str = "variables") -> None:
     """Raises ValueError on every rank unless all ranks hold the same variable
     list (shapes, dtypes, order). Exchanges one short digest per rank first,
     the lists themselves only when they differ. Call on every rank."""
+    variables = _check_variables(variables)
+    _check_text(what, "what")
     world = _world()
     if world is not None:
         mpi_engine.check_same_variables(world.helpers_comm, variables, what, transport.default_timeout())
@@ -86,22 +120,51 @@ def check_same_variables(variables: Sequence, what: str = "variables") -> None:
 def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
     """Sets every rank's `variables` to `root_rank`'s values (eagerly; call on
     every rank with the same list, e.g. after `check_same_variables`)."""
+    variables = _check_variables(variables)
+    if not isinstance(root_rank, numbers.Integral) or isinstance(root_rank, bool):
+        raise TypeError(f"`root_rank` must be an integer. Received: root_rank={_shown(root_rank)}")
     world = _world()
-    if world is None:
-        return
-    if not 0 <= root_rank < world.size:
-        raise ValueError(f"`root_rank` must be in [0, {world.size}). Received: root_rank={root_rank}")
-    mpi_engine.broadcast_variables(world.helpers_comm, variables, root_rank, transport.default_timeout())
+    count = world.size if world is not None else 1
+    if not 0 <= root_rank < count:
+        raise ValueError(f"`root_rank` must be in [0, {count}). Received: root_rank={root_rank}")
+    if world is not None:
+        mpi_engine.broadcast_variables(world.helpers_comm, variables, int(root_rank), transport.default_timeout())
+
+
+def _check_scalars(values) -> dict[str, float]:
+    """`values` (names to real scalars) as floats, or an error naming the entry."""
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"`values` must be a dict of names to numbers, e.g. {{'loss': 0.5}}. Received: values={_shown(values)} "
+            f"(of type {type(values).__name__})"
+        )
+    out = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"The keys of `values` must be strings. Received: key {_shown(key)}")
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"`values[{key!r}]` must be a scalar. Received: values[{key!r}] of shape {np.shape(value)}"
+            )
+        try:
+            number = np.asarray(value)
+            if not (np.issubdtype(number.dtype, np.number) or number.dtype == bool):
+                raise TypeError
+            out[key] = float(number)
+        except (TypeError, ValueError):
+            raise TypeError(f"`values[{key!r}]` must be a number. Received: values[{key!r}]={_shown(value)}") from None
+    return out
 
 
 def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
     """The sum over ranks of each scalar in `values` (same keys on every rank;
     `check_same_keys` first when they may differ)."""
+    values = _check_scalars(values)
     world = _world()
     if world is None or not values:
-        return {k: float(v) for k, v in values.items()}
+        return values
     keys = sorted(values)
-    local = np.array([float(values[k]) for k in keys], np.float64)
+    local = np.array([values[k] for k in keys], np.float64)
     what = "a sum of metrics over all ranks"
     total = transport.allreduce_sum(world.helpers_comm, local, transport.default_timeout(), what)
     return {k: float(v) for k, v in zip(keys, total)}
@@ -114,6 +177,11 @@ def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
 
 def check_same_keys(names: Sequence[str], what: str = "metric names") -> None:
     """Raises ValueError on every rank unless all ranks pass the same `names`."""
+    if not isinstance(names, (Sequence, Mapping)) or isinstance(names, (str, bytes)):
+        raise TypeError(f"`names` must be a list of strings. Received: names={_shown(names)}")
+    for name in names:
+        _check_text(name, "names[...]")
+    _check_text(what, "what")
     world = _world()
     if world is not None:
         mpi_engine.check_same_names(world.helpers_comm, sorted(names), what, transport.default_timeout())
@@ -136,7 +204,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self._supports_tf_logs = False
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or size() == 1:
+        # A multi-replica strategy's metrics are global already; its workers
+        # need not be MPI ranks (e.g. srun tasks, whose variables look like a launcher's).
+        if logs is None or self.model.distribute_strategy.num_replicas_in_sync > 1 or size() == 1:
             return
         numeric = {k: v for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)}
         check_same_keys(list(numeric))

@@ -13,11 +13,17 @@ What lives here knows nothing of Adasum or of engines:
   stderr and, when the process exits, ends the whole job
   (``COMM_WORLD.Abort``), so mpirun returns non-zero instead of waiting for
   the stuck peers at ``MPI_Finalize``.
+* Failed communicators: a call that fails while messages may be in flight (a
+  deadline, an MPI error, a message of the wrong size) cancels what it
+  posted, keeps its buffers for the life of the process and marks its
+  communicator failed (`mark_failed`, an MPI attribute of the communicator);
+  every later call on it raises `tf.errors.FailedPreconditionError`
+  (`check_usable`), so no later step takes a late message for its own.
 * `Chain`: per TF graph, each MPI call depends on the previous one, so they
   run in program order (every rank must issue the same calls in the same order).
-* `MPICommunicator`: the `tf_adasum.rvh.Communicator` of one rank, each step a
-  ``tf.numpy_function`` (the portable path; see `tf_adasum.engines.mpi`).
 * `allreduce_sum`, `allgather`, `bcast`: numpy-level calls with deadlines.
+
+`tf_adasum.comm.mpi_communicator` builds the tree's steps over this transport.
 """
 
 from __future__ import annotations
@@ -38,15 +44,16 @@ from tf_adasum.comm import ordering
 
 __all__ = [
     "DEFAULT_TIMEOUT_SECONDS",
-    "add_deadline_probe",
     "INSTALL_HINT",
     "Chain",
-    "MPICommunicator",
     "World",
+    "add_deadline_probe",
     "allgather",
     "allreduce_sum",
     "bcast",
+    "check_usable",
     "default_timeout",
+    "mark_failed",
     "mpi",
     "mpirun_command",
     "report_deadline",
@@ -128,59 +135,117 @@ def deadline_error(what: str, timeout: float) -> tf.errors.DeadlineExceededError
     return tf.errors.DeadlineExceededError(None, None, message)
 
 
-def wait(requests, timeout: float, what: str) -> None:
+# -- failed communicators ---------------------------------------------------------
+
+_keyval: list[int] = []  # the MPI attribute key of a communicator's failure, made once
+_keyval_lock = threading.Lock()
+_abandoned: list = []  # requests given up while MPI may still use their buffers (they hold them)
+
+
+def _failure_key() -> int:
+    with _keyval_lock:
+        if not _keyval:
+            _keyval.append(mpi().Comm.Create_keyval())  # not copied to duplicates; freed with the communicator
+        return _keyval[0]
+
+
+def check_usable(comm) -> None:
+    """Raises `tf.errors.FailedPreconditionError` if a call on `comm` failed before."""
+    failure = comm.Get_attr(_failure_key())
+    if failure is not None:
+        raise tf.errors.FailedPreconditionError(
+            None,
+            None,
+            "tf_adasum MPI engine: an earlier call on this communicator failed, and messages of that call may "
+            "still be in flight (a later call would take them for its own), so the communicator stays failed: "
+            f"restart the job. The failure: {failure}",
+        )
+
+
+def mark_failed(comm, message: str) -> None:
+    """Marks `comm` failed (the first failure is kept): see `check_usable`."""
+    if comm.Get_attr(_failure_key()) is None:
+        comm.Set_attr(_failure_key(), message)
+
+
+def _message(error: BaseException) -> str:
+    return getattr(error, "message", None) or str(error)
+
+
+def wait(requests, timeout: float, what: str, comm=None, statuses=None, cancel: bool = False) -> None:
     """Waits for MPI `requests`, polling, until `timeout` seconds (0: forever).
+
+    On failure the requests are given up (`abandon`), and `comm` (if given)
+    is marked failed.
+
+    Args:
+      statuses: a list of ``MPI.Status``, one per request, filled on success.
+      cancel: the requests are point-to-point: cancel them on failure.
 
     Raises:
       tf.errors.DeadlineExceededError: naming `what`, after `report_deadline`.
+      tf.errors.InternalError: MPI reported an error.
     """
     MPI = mpi()
     deadline = time.monotonic() + timeout if timeout else None
     pause = 0.0
-    while not MPI.Request.Testall(requests):
-        if deadline is not None and time.monotonic() > deadline:
-            raise deadline_error(what, timeout)
-        time.sleep(pause)
-        pause = min(1e-3, pause + 2e-5)
+    try:
+        while not (MPI.Request.Testall(requests, statuses) if statuses is not None else MPI.Request.Testall(requests)):
+            if deadline is not None and time.monotonic() > deadline:
+                raise deadline_error(what, timeout)
+            time.sleep(pause)
+            pause = min(1e-3, pause + 2e-5)
+    except BaseException as error:
+        if isinstance(error, MPI.Exception):
+            error = tf.errors.InternalError(None, None, f"tf_adasum MPI engine: {what} failed: {error}")
+        abandon(requests, comm, _message(error), cancel)
+        raise error from None
+
+
+def abandon(requests, comm, message: str, cancel: bool = False) -> None:
+    """Gives up `requests` after a failure: cancels those still pending (if
+    `cancel`: point-to-point ones; a collective's cannot be), keeps them all
+    (and so their buffers) for the life of the process, and marks `comm` (if
+    given) failed with `message`."""
+    MPI = mpi()
+    for request in requests if cancel else ():
+        if request != MPI.REQUEST_NULL:
+            try:
+                request.Cancel()
+            except MPI.Exception:
+                pass
+    _abandoned.extend(requests)
+    if comm is not None:
+        mark_failed(comm, message)
 
 
 def _bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-#: The most bytes one message of the tree carries, as in the native op
-#: (``kMaxMessageBytes`` in ``tf_adasum/native/adasum_mpi_ops.cc``): over TCP,
-#: Open MPI moves large messages far below a link's rate, and pieces of this
-#: size near it when each receive is posted just before its send.
-MESSAGE_BYTES = 256 << 10
-
-
-def _pieces(array: np.ndarray) -> list[np.ndarray]:
-    """`array`'s bytes in messages of at most `MESSAGE_BYTES` (views)."""
-    raw = _bytes(array)
-    return [raw[start : start + MESSAGE_BYTES] for start in range(0, raw.size, MESSAGE_BYTES)] or [raw]
-
-
 def allreduce_sum(comm, values: np.ndarray, timeout: float, what: str) -> np.ndarray:
     """The elementwise float64 sum of `values` over the ranks of `comm`."""
+    check_usable(comm)
     values = np.ascontiguousarray(values, dtype=np.float64)
     out = np.empty_like(values)
-    wait([comm.Iallreduce(values, out, op=mpi().SUM)], timeout, what)
+    wait([comm.Iallreduce(values, out, op=mpi().SUM)], timeout, what, comm)
     return out
 
 
 def allgather(comm, values: np.ndarray, timeout: float, what: str) -> np.ndarray:
     """``[size, *values.shape]``: every rank's `values` (same shape and dtype), in rank order."""
+    check_usable(comm)
     values = np.ascontiguousarray(values)
     out = np.empty((comm.Get_size(),) + values.shape, values.dtype)
-    wait([comm.Iallgather(_bytes(values), _bytes(out))], timeout, what)
+    wait([comm.Iallgather(_bytes(values), _bytes(out))], timeout, what, comm)
     return out
 
 
 def bcast(comm, values: np.ndarray, root: int, timeout: float, what: str) -> np.ndarray:
     """`root`'s `values` on every rank (same shape and dtype everywhere)."""
+    check_usable(comm)
     out = np.array(values, copy=True, order="C")
-    wait([comm.Ibcast(_bytes(out), root=root)], timeout, what)
+    wait([comm.Ibcast(_bytes(out), root=root)], timeout, what, comm)
     return out
 
 
@@ -271,7 +336,7 @@ def world(announced_size: int = 1) -> World:
     return World(announced_size)
 
 
-# -- ordering and the numpy_function communicator ---------------------------------
+# -- ordering ---------------------------------------------------------------------
 
 
 class Chain(ordering.Chain):
@@ -279,80 +344,3 @@ class Chain(ordering.Chain):
 
     def __init__(self):
         super().__init__("The MPI engine calls MPI")
-
-
-class MPICommunicator:
-    """One rank's `rvh.Communicator` over an mpi4py communicator.
-
-    Args:
-      comm: the mpi4py communicator whose ranks take part (e.g. ``COMM_WORLD``).
-      sum_comms: `World.sum_communicators` of `comm` for the tree's groups.
-      chain: orders this process's MPI calls.
-      timeout_seconds: how long a call waits for its peers (0: forever).
-    """
-
-    device = ""  # the arithmetic stays where TensorFlow places it
-
-    def __init__(self, comm, sum_comms, chain: Chain, timeout_seconds: float):
-        self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self._sum_comms = sum_comms
-        self._chain = chain
-        self._timeout = timeout_seconds
-
-    def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
-        """Sends `send` to `peer` while receiving its message into `receive`
-        (same size), in `MESSAGE_BYTES` pieces: receive k, then send k."""
-        requests = []
-        for incoming, outgoing in zip(_pieces(receive), _pieces(send), strict=True):
-            requests += [self.comm.Irecv(incoming, source=peer, tag=0), self.comm.Isend(outgoing, dest=peer, tag=0)]
-        wait(requests, self._timeout, f"{what} with rank {peer}")
-
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
-        me = 0 if self.rank < partner else 1
-
-        def swap(rows):
-            out = np.empty_like(rows[me])
-            self._exchange(rows[1 - me], out, partner, "swap_halves")
-            return out
-
-        received = self._chain.call(swap, [x], x.dtype, x.shape[1:])
-        return (x[0], received) if me == 0 else (received, x[1])
-
-    def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
-        me = 0 if self.rank < partner else 1
-
-        def gather(mine):
-            out = np.empty((2,) + mine.shape, mine.dtype)
-            self._exchange(mine, out[1 - me], partner, "gather_pair")
-            out[me] = mine
-            return out.reshape(-1)
-
-        length = x.shape[0]
-        return self._chain.call(gather, [x], x.dtype, [None if length is None else 2 * length])
-
-    def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
-        sub = self._sum_comms[tuple(members)]
-        what = f"the partial sums over ranks {members}"
-        return self._chain.call(lambda v: allreduce_sum(sub, v, self._timeout, what), [x], tf.float64, x.shape)
-
-    def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
-        def send(values):
-            requests = [self.comm.Isend(piece, dest=peer, tag=1) for piece in _pieces(values)]
-            wait(requests, self._timeout, f"a send to rank {peer}")
-            return values
-
-        return self._chain.call(send, [x], x.dtype, x.shape)
-
-    def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
-        def recv(template):
-            out = np.empty_like(template)
-            requests = [self.comm.Irecv(piece, source=peer, tag=1) for piece in _pieces(out)]
-            wait(requests, self._timeout, f"a receive from rank {peer}")
-            return out
-
-        return self._chain.call(recv, [like], like.dtype, like.shape)
-
-    def direct(self, members: tuple[int, ...]) -> bool:
-        """False: every rank is a process of its own."""
-        return False

@@ -4,8 +4,12 @@ Each bucket's whole tree runs in one native op when the compiled library is
 available (`tf_adasum.engines.mpi_native`: the fold, the halving levels with
 their float64 partial sums and the gathers in C++, reading and writing the
 tensors in place); otherwise each tree step is a ``tf.numpy_function`` over
-`tf_adasum.comm.mpi.MPICommunicator` (the portable path, slower). Both are
-the tree of `tf_adasum.rvh` and are tested against `tf_adasum.reference`.
+`tf_adasum.comm.mpi_communicator.MPICommunicator` (the portable path,
+slower). Both are the tree of `tf_adasum.rvh` and are tested against
+`tf_adasum.reference`. The ranks choose the path together when the engine is
+built: the native one only when every rank can load the library (the two
+paths exchange different messages), else every rank takes the Python path,
+with one warning naming the ranks that could not and why.
 
 Every MPI call has a deadline (`tf_adasum.comm.mpi.default_timeout`) and the
 calls of one graph are chained in program order. Sub-communicators are made
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,10 +30,11 @@ from tf_adasum import combiners as combiners_lib
 from tf_adasum import rvh
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.comm import mpi as transport
+from tf_adasum.comm import mpi_communicator
 from tf_adasum.engines import mpi_native
 from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
 
-__all__ = ["MPIEngine", "broadcast_variables", "check_same_names", "check_same_variables"]
+__all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_names", "check_same_variables"]
 
 
 def _first_difference(a, b) -> str:
@@ -102,6 +108,26 @@ def _has_value(variable) -> bool:
     return np.shape(variable.numpy()) == tuple(variable.shape)
 
 
+def agree_on_native(comm, timeout: float):
+    """The native op module when every rank of `comm` can use it, else None
+    on every rank, with one `RuntimeWarning` naming the ranks that cannot and
+    why (one small gather; the reasons only when some rank lacks it)."""
+    module, reason = mpi_native.availability()
+    what = "the check that every rank can use the native MPI ops"
+    able = transport.allgather(comm, np.array([module is not None], np.uint8), timeout, what)[:, 0]
+    if able.all():
+        return module
+    reasons = _gather_strings(comm, reason or "", timeout, what)
+    unable = ", ".join(f"rank {r} ({reasons[r]})" for r in np.flatnonzero(able == 0))
+    warnings.warn(
+        f"tf_adasum: the native MPI ops are unavailable on {unable}. Every rank's MPI engine uses its Python "
+        "path (slower), so that all ranks exchange the same messages.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
+
+
 def _native_rule(combiner: combiners_lib.Combiner) -> str | None:
     if type(combiner) is combiners_lib.Adasum:
         return "adasum"
@@ -140,7 +166,8 @@ class MPIEngine(Engine):
             self._sum_comms = {
                 scope: world.sum_communicators(comm, rvh.groups(comm.Get_size())) for scope, comm in self._comms.items()
             }
-        self.native = mpi_native.load()  # None (one warning) where the library cannot be built
+        # The same path on every rank: None everywhere (one warning) where one rank cannot load the library.
+        self.native = agree_on_native(world.comm, self.timeout_seconds)
         if self.native is not None:
             transport.add_deadline_probe(mpi_native.deadlines_missed)
 
@@ -151,7 +178,9 @@ class MPIEngine(Engine):
         comm = self._comms[scope]
         rule = _native_rule(combiner)
         if self.native is None or rule is None or self.compression is not None:
-            communicator = transport.MPICommunicator(comm, self._sum_comms[scope], self._chain, self.timeout_seconds)
+            communicator = mpi_communicator.MPICommunicator(
+                comm, self._sum_comms[scope], self._chain, self.timeout_seconds
+            )
             communicators = compression_lib.compressed([communicator], self.compression)
             return combine_with_communicators(values, communicators, combiner, self.bytes_per_bucket)
         size = comm.Get_size()

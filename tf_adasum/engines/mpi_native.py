@@ -23,7 +23,14 @@ least ``MPI_THREAD_SERIALIZED`` (mpi4py's default is ``MPI_THREAD_MULTIPLE``).
 The communicator's handle is an attribute of the op, valid in this process
 only: graphs holding these ops cannot be exported (SavedModel).
 Every MPI wait polls against ``timeout_seconds`` (0: forever) and fails with
-`tf.errors.DeadlineExceededError` naming the call and the peer.
+`tf.errors.DeadlineExceededError` naming the call and the peer. Before any
+data moves, the ranks of a `tree` agree on its layout (dtype, rule, every
+tensor's size, the message size): a disagreement raises
+`tf.errors.InvalidArgumentError` on every rank, naming two ranks that differ,
+and sends no data. An op that fails with messages possibly in flight (a
+deadline, an MPI error, a message of the wrong size) marks its communicator
+failed: every later op on it raises `tf.errors.FailedPreconditionError` at
+once, since a late message of the failed op would fill a later one's receive.
 
 ``python -m tf_adasum.engines.mpi_native --build`` builds the library ahead
 of time and prints its path. ``TF_ADASUM_MPI_NATIVE=0`` turns it off; `load`
@@ -54,6 +61,7 @@ __all__ = [
     "BuildError",
     "allgather",
     "allreduce_sum",
+    "availability",
     "build",
     "cache_root",
     "deadlines_missed",
@@ -128,8 +136,25 @@ def build() -> Path:
 
 
 _lock = threading.Lock()
-_loaded: list = []  # [module or None] once `load` has run
+_loaded: list = []  # [(module or None, reason or None)] once the library was built and loaded (or not)
+_warned: list = []  # [True] once `load` warned
 _library: list = []  # [the loaded library, through ctypes] for `deadlines_missed`
+
+
+def availability() -> tuple[object | None, str | None]:
+    """``(module, None)``, or ``(None, reason)`` where this process cannot use
+    the native ops: ``TF_ADASUM_MPI_NATIVE=0`` (read on each call), or a
+    library that cannot be built or loaded (tried once per process). Warns
+    about nothing and never raises for these (see `load`)."""
+    if os.environ.get("TF_ADASUM_MPI_NATIVE", "1").strip() == "0":
+        return None, "TF_ADASUM_MPI_NATIVE=0"
+    with _lock:
+        if not _loaded:
+            module, path, reason = native_build.load(build)
+            if module is not None:
+                _library.append(ctypes.CDLL(str(path)))  # already loaded: finds it
+            _loaded.append((module, reason))
+        return _loaded[0]
 
 
 def load():
@@ -137,26 +162,20 @@ def load():
 
     None (with one `RuntimeWarning` per process naming the cause) when
     ``TF_ADASUM_MPI_NATIVE=0``, or when the library cannot be built or
-    loaded; callers then use the Python path. Never raises for these.
+    loaded; callers then use the Python path. Never raises for these. (The
+    MPI engine asks `availability` and agrees with the other ranks instead.)
     """
+    module, reason = availability()
     with _lock:
-        if not _loaded:
-            module, reason = None, None
-            if os.environ.get("TF_ADASUM_MPI_NATIVE", "1").strip() == "0":
-                reason = "TF_ADASUM_MPI_NATIVE=0"
-            else:
-                module, path, reason = native_build.load(build)
-                if module is not None:
-                    _library.append(ctypes.CDLL(str(path)))  # already loaded: finds it
-            if module is None:
-                warnings.warn(
-                    f"tf_adasum: the native MPI ops are unavailable: {reason}. The MPI engine uses its "
-                    "Python path (slower).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            _loaded.append(module)
-        return _loaded[0]
+        if module is None and not _warned:
+            _warned.append(True)
+            warnings.warn(
+                f"tf_adasum: the native MPI ops are unavailable: {reason}. The MPI engine uses its "
+                "Python path (slower).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return module
 
 
 def deadlines_missed() -> bool:

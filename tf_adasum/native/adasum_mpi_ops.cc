@@ -30,6 +30,17 @@
 // as messages of their own, none over 256 KiB (kMaxMessageBytes). Every wait
 // polls against `timeout_seconds` and fails with DEADLINE_EXCEEDED naming the
 // call and the peer.
+//
+// Before any data moves, the ranks of a tree agree on its layout (a digest of
+// the dtype, the rule, the tensors' sizes and the message size; see
+// AgreeOnLayout): a disagreement fails the op on every rank with
+// INVALID_ARGUMENT naming two ranks that differ, and every receive's size is
+// checked (MPI_Get_count). An op that fails once it may have left messages in
+// flight (a deadline, an MPI error, a wrong size) cancels what it posted,
+// keeps its buffers for the life of the process and marks its communicator
+// failed (an MPI attribute): every later op on that communicator fails at
+// once, since the tags are constants and a late message would fill a later
+// op's receive.
 
 #include <atomic>
 #include <cstdio>
@@ -79,6 +90,7 @@ constexpr int kTagPartials = 27102;
 constexpr int kTagGather = 27103;
 constexpr int kTagFold = 27104;
 constexpr int kTagFoldBack = 27105;
+constexpr int kTagLayout = 27106;
 
 // The most bytes one message carries. Over TCP, Open MPI moves a large
 // message far below the link's rate: the halving levels' exchanges of 16 MiB
@@ -120,6 +132,44 @@ Status MpiStatus(int code, const char* call) {
     if (!_status.ok()) return _status;                   \
   } while (0)
 
+// ---------------------------------------------------------------------------
+// Failed communicators: the first failure that may have left messages in
+// flight is kept as an attribute of the communicator (not copied to its
+// duplicates, freed with it); every later op on it fails at once.
+
+int DeleteFailure(MPI_Comm, int, void* value, void*) {
+  delete static_cast<std::string*>(value);
+  return MPI_SUCCESS;
+}
+
+int FailureKeyval() {
+  static const int keyval = [] {
+    int created = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, DeleteFailure, &created, nullptr);
+    return created;
+  }();
+  return keyval;
+}
+
+Status CheckNotFailed(MPI_Comm comm) {
+  void* value = nullptr;
+  int found = 0;
+  TFA_MPI(MPI_Comm_get_attr(comm, FailureKeyval(), &value, &found));
+  if (!found) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "tf_adasum MPI engine: an earlier op on this communicator failed, and messages of that op may still be "
+      "in flight (a later op would take them for its own), so the communicator stays failed: restart the job. "
+      "The failure: ",
+      *static_cast<std::string*>(value)));
+}
+
+void MarkFailed(MPI_Comm comm, const Status& failure) {
+  void* value = nullptr;
+  int found = 0;
+  if (MPI_Comm_get_attr(comm, FailureKeyval(), &value, &found) != MPI_SUCCESS || found) return;
+  MPI_Comm_set_attr(comm, FailureKeyval(), new std::string(failure.message()));
+}
+
 // The communicator of an op, checked once per call (cheap MPI queries).
 struct Comm {
   MPI_Comm comm;
@@ -150,7 +200,7 @@ Status GetComm(int64_t handle, Comm* out) {
   }
   TFA_MPI(MPI_Comm_rank(out->comm, &out->rank));
   TFA_MPI(MPI_Comm_size(out->comm, &out->size));
-  return absl::OkStatus();
+  return CheckNotFailed(out->comm);
 }
 
 // Buffers of ops that failed while MPI may still read or write them are kept
@@ -180,6 +230,13 @@ void AdviseHugePages(void* data, int64_t bytes) {
 // the MPI job instead of waiting for stuck peers at MPI_Finalize.
 std::atomic<int> g_deadlines_missed{0};
 
+// What a receive must have received (MPI_Get_count): `count` of `type`; a
+// send's entry has type MPI_DATATYPE_NULL (nothing to check).
+struct Expected {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int count = 0;
+};
+
 // Polls MPI requests until they complete or `timeout_seconds` (0: forever)
 // pass. MPI progresses only inside MPI calls (a large message is copied by
 // the receiver's test), so it tests often: yielding the processor between
@@ -188,21 +245,29 @@ std::atomic<int> g_deadlines_missed{0};
 // for. Measured with 4 ranks on 2 cores (float32, Adasum, median ms):
 // 16 MiB 95 -> 86 and 64 MiB 358 -> 264 against yielding for 20 ms first;
 // 64 KiB and 2 ranks unchanged within noise.
+//
+// Every failure of a wait (a deadline, an MPI error, a receive of the wrong
+// size) goes through Abandon: what is still pending is cancelled, the op's
+// buffers are kept for the life of the process (a late peer must not write
+// freed memory) and the communicator is marked failed.
 class Waiter {
  public:
-  Waiter(double timeout_seconds, std::vector<Tensor>* buffers)
-      : timeout_seconds_(timeout_seconds), buffers_(buffers) {}
+  Waiter(MPI_Comm comm, double timeout_seconds, std::vector<Tensor>* buffers)
+      : comm_(comm), timeout_seconds_(timeout_seconds), buffers_(buffers) {}
 
-  // `collective`: the requests belong to a nonblocking collective (which
-  // cannot be cancelled or freed; they are left pending on expiry).
-  Status Wait(std::vector<MPI_Request>* requests, const std::function<std::string()>& what,
-              bool collective = false) {
+  // `expected`: per request, what a receive must get (null: nothing to
+  // check). `collective`: the requests belong to a nonblocking collective
+  // (which cannot be cancelled or freed; they are left pending on failure).
+  Status Wait(std::vector<MPI_Request>* requests, const std::vector<Expected>* expected,
+              const std::function<std::string()>& what, bool collective = false) {
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
+    std::vector<MPI_Status> statuses(requests->size());
     for (;;) {
       int done = 0;
-      TFA_MPI(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, MPI_STATUSES_IGNORE));
-      if (done) return absl::OkStatus();
+      const int code = MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, statuses.data());
+      if (code != MPI_SUCCESS) return Abandon(requests, Failure(code, statuses, what()), collective);
+      if (done) return CheckCounts(statuses, expected, what);
       const double waited = std::chrono::duration<double>(Clock::now() - start).count();
       if (timeout_seconds_ > 0 && waited > timeout_seconds_) return Expire(requests, what(), collective);
       if (waited < kSpinSeconds) {
@@ -214,11 +279,9 @@ class Waiter {
     }
   }
 
- private:
-  static constexpr double kSpinSeconds = 200e-6;
-  static constexpr long kSleepNanoseconds = 50000;
-
-  Status Expire(std::vector<MPI_Request>* requests, const std::string& what, bool collective) {
+  // Cancels and frees the pending `requests` (unless `collective`), keeps the
+  // buffers, marks the communicator failed; returns `failure`.
+  Status Abandon(std::vector<MPI_Request>* requests, Status failure, bool collective = false) {
     if (!collective) {
       for (MPI_Request& request : *requests) {
         if (request == MPI_REQUEST_NULL) continue;
@@ -227,6 +290,45 @@ class Waiter {
       }
     }
     KeepForever(*buffers_);
+    MarkFailed(comm_, failure);
+    return failure;
+  }
+
+ private:
+  static constexpr double kSpinSeconds = 200e-6;
+  static constexpr long kSleepNanoseconds = 50000;
+
+  static Status Failure(int code, const std::vector<MPI_Status>& statuses, const std::string& what) {
+    if (code == MPI_ERR_IN_STATUS) {  // the first request's own error
+      for (const MPI_Status& status : statuses) {
+        if (status.MPI_ERROR != MPI_SUCCESS && status.MPI_ERROR != MPI_ERR_PENDING) {
+          code = status.MPI_ERROR;
+          break;
+        }
+      }
+    }
+    return absl::InternalError(absl::StrCat("tf_adasum MPI engine: ", what, " failed: ", MpiErrorText(code)));
+  }
+
+  Status CheckCounts(std::vector<MPI_Status>& statuses, const std::vector<Expected>* expected,
+                     const std::function<std::string()>& what) {
+    if (expected == nullptr) return absl::OkStatus();
+    for (size_t i = 0; i < expected->size() && i < statuses.size(); ++i) {
+      const Expected& want = (*expected)[i];
+      if (want.type == MPI_DATATYPE_NULL) continue;
+      int count = MPI_UNDEFINED;
+      MPI_Get_count(&statuses[i], want.type, &count);
+      if (count == want.count) continue;
+      std::vector<MPI_Request> none;
+      return Abandon(&none, absl::InvalidArgumentError(absl::StrCat(
+                                "tf_adasum MPI engine: ", what(), " received a message of ",
+                                count == MPI_UNDEFINED ? std::string("another size") : absl::StrCat(count, " items"),
+                                " where ", want.count, " were expected (the ranks run different programs).")));
+    }
+    return absl::OkStatus();
+  }
+
+  Status Expire(std::vector<MPI_Request>* requests, const std::string& what, bool collective) {
     const std::string message = absl::StrCat(
         "tf_adasum MPI engine: ", what, " did not complete within ", timeout_seconds_,
         " s. A peer rank has failed, or ranks run different numbers of steps (shard the data so that every "
@@ -234,11 +336,12 @@ class Waiter {
     g_deadlines_missed.fetch_add(1);
     std::fprintf(stderr, "tf_adasum: %s Ending the MPI job when this process exits.\n", message.c_str());
     std::fflush(stderr);
-    return absl::DeadlineExceededError(message);
+    return Abandon(requests, absl::DeadlineExceededError(message), collective);
   }
 
+  MPI_Comm comm_;
   double timeout_seconds_;
-  std::vector<Tensor>* buffers_;  // what to keep alive when a wait expires
+  std::vector<Tensor>* buffers_;  // what to keep alive when a wait fails
 };
 
 // ---------------------------------------------------------------------------
@@ -338,15 +441,17 @@ class Messages {
 
   size_t size() const { return parts_.size(); }
 
-  // Posts the request of message k (a receive if !send) and appends it.
-  Status Post(size_t k, bool send, int peer, int tag, MPI_Comm comm, std::vector<MPI_Request>* requests) const {
+  // Posts the request of message k (a receive if !send) and appends it, with
+  // what it must receive, to `requests` and `expected`.
+  Status Post(size_t k, bool send, int peer, int tag, MPI_Comm comm, std::vector<MPI_Request>* requests,
+              std::vector<Expected>* expected) const {
     const Part& part = parts_[k];
-    requests->push_back(MPI_REQUEST_NULL);
-    if (send) {
-      TFA_MPI(MPI_Isend(part.buffer, part.count, part.type, peer, tag, comm, &requests->back()));
-    } else {
-      TFA_MPI(MPI_Irecv(part.buffer, part.count, part.type, peer, tag, comm, &requests->back()));
-    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    const int code = send ? MPI_Isend(part.buffer, part.count, part.type, peer, tag, comm, &request)
+                          : MPI_Irecv(part.buffer, part.count, part.type, peer, tag, comm, &request);
+    TFA_MPI(code);
+    requests->push_back(request);
+    expected->push_back(send ? Expected{} : Expected{part.type, part.count});
     return absl::OkStatus();
   }
 
@@ -419,7 +524,8 @@ class TreeOp : public OpKernel {
     int leaves = 1, folded = 0;
     Layout* layout = nullptr;
     View<T> in, out;
-    std::vector<double> partials;  // [levels, n, 3], this rank's
+    double* partials = nullptr;  // [levels, n, 3], this rank's (the op's output)
+    double* other = nullptr;     // [n, 3], a peer's partial sums
     Waiter* waiter = nullptr;
     bool in_place = false;  // some output shares its input's buffer
   };
@@ -442,42 +548,154 @@ class TreeOp : public OpKernel {
     int levels = call.folded ? 1 : 0;
     for (int leaves = call.leaves; leaves > 1; leaves /= 2) ++levels;
 
+    // Every buffer MPI may touch is a tensor in `buffers`, kept alive if a wait fails.
+    std::vector<Tensor> buffers;
     Tensor* partials_tensor = nullptr;
     TF_RETURN_IF_ERROR(context->allocate_output("partials", TensorShape({levels, n, 3}), &partials_tensor));
-    call.partials.assign(static_cast<size_t>(levels) * n * 3, 0.0);
+    std::fill_n(partials_tensor->flat<double>().data(), partials_tensor->NumElements(), 0.0);
+    call.partials = partials_tensor->flat<double>().data();
+    Tensor other, agreement;
+    TF_RETURN_IF_ERROR(context->allocate_temp(::tensorflow::DT_DOUBLE, TensorShape({3 * n}), &other));
+    TF_RETURN_IF_ERROR(
+        context->allocate_temp(::tensorflow::DT_INT64, TensorShape({2 * kAgreementWords}), &agreement));
+    call.other = other.flat<double>().data();
+    buffers.insert(buffers.end(), {*partials_tensor, other, agreement});
 
     std::vector<int64_t> sizes;
-    std::vector<Tensor> buffers;  // kept alive if a wait expires
     for (int t = 0; t < n; ++t) sizes.push_back(values[t].NumElements());
     Layout layout(sizes);
     call.layout = &layout;
+    Waiter waiter(call.comm.comm, timeout_seconds_, &buffers);
+    call.waiter = &waiter;
+    if (size > 1) TF_RETURN_IF_ERROR(AgreeOnLayout(&call, sizes, agreement.flat<int64_t>().data()));
     if (size == 1 || layout.total() == 0) {
       for (int t = 0; t < n; ++t) combined.set(t, values[t]);
-    } else {
-      call.in.layout = call.out.layout = &layout;
-      for (int t = 0; t < n; ++t) {
-        // The output takes the input's buffer when nothing else holds it
-        // (e.g. an intermediate of the caller's graph): no new memory.
-        Tensor* output = nullptr;
-        TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({t}, t, values[t].shape(), &output));
-        T* in = const_cast<T*>(values[t].flat<T>().data());  // only read (MPI takes non-const)
-        T* out = output->flat<T>().data();
-        if (out == in && values[t].NumElements() > 0) {
-          call.in_place = true;
-        } else {
-          AdviseHugePages(out, output->TotalBytes());
-        }
-        call.in.tensors.push_back(in);
-        call.out.tensors.push_back(out);
-        buffers.push_back(values[t]);
-        buffers.push_back(*output);
-      }
-      Waiter waiter(timeout_seconds_, &buffers);
-      call.waiter = &waiter;
-      TF_RETURN_IF_ERROR(Tree(context, &call, &buffers));
+      return absl::OkStatus();
     }
-    std::copy(call.partials.begin(), call.partials.end(), partials_tensor->flat<double>().data());
-    return absl::OkStatus();
+    call.in.layout = call.out.layout = &layout;
+    for (int t = 0; t < n; ++t) {
+      // The output takes the input's buffer when nothing else holds it
+      // (e.g. an intermediate of the caller's graph): no new memory.
+      Tensor* output = nullptr;
+      TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({t}, t, values[t].shape(), &output));
+      T* in = const_cast<T*>(values[t].flat<T>().data());  // only read (MPI takes non-const)
+      T* out = output->flat<T>().data();
+      if (out == in && values[t].NumElements() > 0) {
+        call.in_place = true;
+      } else {
+        AdviseHugePages(out, output->TotalBytes());
+      }
+      call.in.tensors.push_back(in);
+      call.out.tensors.push_back(out);
+      buffers.push_back(values[t]);
+      buffers.push_back(*output);
+    }
+    return Tree(context, &call, &buffers);
+  }
+
+  // -- the layout agreement ---------------------------------------------------
+
+  // One rank's layout: its rank, the digest, and what the error names.
+  struct Record {
+    int64_t rank, digest, elements, tensors, dtype, rule;
+  };
+  static constexpr int kRecordWords = sizeof(Record) / sizeof(int64_t);
+  // What a rank knows of the records it has heard of: the lowest rank's, and
+  // the lowest rank's among those with another digest (rank -1: none yet).
+  // Merging is associative and commutative, so after the exchanges below
+  // every rank holds the same pair.
+  struct Agreement {
+    Record first, differing;
+  };
+  static constexpr int kAgreementWords = 2 * kRecordWords;
+  static_assert(sizeof(Agreement) == kAgreementWords * sizeof(int64_t), "Agreement is sent as int64s");
+
+  static Agreement Merge(const Agreement& x, const Agreement& y) {
+    const Record all[4] = {x.first, x.differing, y.first, y.differing};
+    Agreement out = x;
+    for (const Record& r : all) {
+      if (r.rank >= 0 && r.rank < out.first.rank) out.first = r;
+    }
+    out.differing.rank = -1;
+    for (const Record& r : all) {
+      if (r.rank >= 0 && r.digest != out.first.digest && (out.differing.rank < 0 || r.rank < out.differing.rank)) {
+        out.differing = r;
+      }
+    }
+    return out;
+  }
+
+  static std::string Describe(const Record& r) {
+    static const char* const kNames[] = {"float16", "bfloat16", "float32", "float64"};
+    const std::string dtype = r.dtype >= 0 && r.dtype < 4 ? kNames[r.dtype] : absl::StrCat("dtype ", r.dtype);
+    return absl::StrCat("rank ", r.rank, " has ", r.elements, " ", dtype, " elements in ", r.tensors,
+                        " tensor(s), rule '", r.rule ? "sum" : "adasum", "'");
+  }
+
+  static int64_t DtypeCode() {
+    if (std::is_same_v<T, Eigen::half>) return 0;
+    if (std::is_same_v<T, Eigen::bfloat16>) return 1;
+    return std::is_same_v<T, float> ? 2 : 3;
+  }
+
+  // Before any data moves, the ranks exchange their layouts' records along
+  // the tree's own pairs (the fold's partner sends its record in and takes
+  // the result back; the leaves swap theirs at every level): every rank ends
+  // with the same Agreement, so a disagreement fails the op on every rank,
+  // with the same message, and no data message was posted. The digest
+  // covers what decides the messages: the dtype, the rule, each tensor's
+  // element count, and the message size of this library.
+  Status AgreeOnLayout(Call* call, const std::vector<int64_t>& sizes, int64_t* buffer) {
+    uint64_t digest = 1469598103934665603ull;  // FNV-1a over 64-bit words
+    auto mix = [&](int64_t word) { digest = (digest ^ static_cast<uint64_t>(word)) * 1099511628211ull; };
+    mix(1);  // the version of this agreement
+    mix(kMaxMessageBytes);
+    mix(DtypeCode());
+    mix(static_cast<int64_t>(rule_));
+    mix(static_cast<int64_t>(sizes.size()));
+    int64_t elements = 0;
+    for (int64_t size : sizes) {
+      mix(size);
+      elements += size;
+    }
+    const int rank = call->comm.rank, folded = call->folded;
+    const Record mine{rank, static_cast<int64_t>(digest), elements, static_cast<int64_t>(sizes.size()),
+                      DtypeCode(), static_cast<int64_t>(rule_)};
+    Agreement state{mine, Record{-1, 0, 0, 0, 0, 0}};
+    Agreement* outgoing = reinterpret_cast<Agreement*>(buffer);
+    Agreement* incoming = outgoing + 1;
+    auto swap = [&](int peer, bool send, bool receive) -> Status {
+      *outgoing = state;
+      return Swap(call, peer, kTagLayout, send ? outgoing : nullptr, receive ? incoming : nullptr, kAgreementWords,
+                  MPI_INT64_T, [=] { return absl::StrCat("the layout agreement with rank ", peer); });
+    };
+    int virtual_rank = rank - folded;
+    if (rank < 2 * folded) {
+      if (rank % 2) {  // in with its record, back with the agreement
+        TF_RETURN_IF_ERROR(swap(rank - 1, true, true));
+        state = *incoming;
+        return Verdict(state);
+      }
+      TF_RETURN_IF_ERROR(swap(rank + 1, false, true));
+      state = Merge(state, *incoming);
+      virtual_rank = rank / 2;
+    }
+    for (int bit = 1; bit < call->leaves; bit <<= 1) {
+      TF_RETURN_IF_ERROR(swap(RealRank(virtual_rank ^ bit, folded), true, true));
+      state = Merge(state, *incoming);
+    }
+    if (rank < 2 * folded) TF_RETURN_IF_ERROR(swap(rank + 1, true, false));
+    return Verdict(state);
+  }
+
+  static Status Verdict(const Agreement& state) {
+    if (state.differing.rank < 0) return absl::OkStatus();
+    const Record &a = state.first, &b = state.differing;
+    const bool same_totals = a.elements == b.elements && a.tensors == b.tensors && a.dtype == b.dtype && a.rule == b.rule;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tf_adasum MPI engine: the ranks disagree on the tensors of this tree call, so no data was sent: ",
+        Describe(a), "; ", Describe(b), same_totals ? " (the same totals in tensors of other sizes)" : "",
+        ". Every rank must pass tensors of the same shapes and dtype, in the same order, with the same rule."));
   }
 
   Status Tree(OpKernelContext* context, Call* call, std::vector<Tensor>* buffers) {
@@ -593,19 +811,23 @@ class TreeOp : public OpKernel {
                   const View<T>* into, int64_t take_lo, int64_t take_hi, int receive_tag,
                   const std::function<std::string()>& what) {
     Messages send, receive;
-    if (into != nullptr) TF_RETURN_IF_ERROR(receive.Describe(*into, take_lo, take_hi));
-    if (from != nullptr) TF_RETURN_IF_ERROR(send.Describe(*from, give_lo, give_hi));
+    std::vector<MPI_Request> requests;
+    std::vector<Expected> expected;
+    Status described = into == nullptr ? absl::OkStatus() : receive.Describe(*into, take_lo, take_hi);
+    if (described.ok() && from != nullptr) described = send.Describe(*from, give_lo, give_hi);
+    if (!described.ok()) return call->waiter->Abandon(&requests, described);  // the peer's messages stay unmatched
     // Receive k, then send k, for each k: over TCP, Open MPI moved the
     // halving levels' 256 KiB messages at 1.14-1.16x the link's time posted
     // so, and at 1.9x with every receive posted before the first send (the
     // measurement at kMaxMessageBytes).
-    std::vector<MPI_Request> requests;
+    MPI_Comm comm = call->comm.comm;
     for (size_t k = 0; k < std::max(receive.size(), send.size()); ++k) {
-      MPI_Comm comm = call->comm.comm;
-      if (k < receive.size()) TF_RETURN_IF_ERROR(receive.Post(k, false, peer, receive_tag, comm, &requests));
-      if (k < send.size()) TF_RETURN_IF_ERROR(send.Post(k, true, peer, send_tag, comm, &requests));
+      Status posted = absl::OkStatus();
+      if (k < receive.size()) posted = receive.Post(k, false, peer, receive_tag, comm, &requests, &expected);
+      if (posted.ok() && k < send.size()) posted = send.Post(k, true, peer, send_tag, comm, &requests, &expected);
+      if (!posted.ok()) return call->waiter->Abandon(&requests, posted);
     }
-    return call->waiter->Wait(&requests, what);
+    return call->waiter->Wait(&requests, &expected, what);
   }
 
   // Combines a and b on [lo, hi) into the outputs. Adasum: partial sums over
@@ -622,7 +844,7 @@ class TreeOp : public OpKernel {
       return absl::OkStatus();
     }
     const int n = layout.num_tensors();
-    double* sums = call->partials.data() + static_cast<size_t>(level) * n * 3;
+    double* sums = call->partials + static_cast<size_t>(level) * n * 3;
     layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
       Dots(a.At(t, begin), b.At(t, begin), count, sums + 3 * t);
     });
@@ -640,19 +862,35 @@ class TreeOp : public OpKernel {
   // add the same two numbers (in either order), so all end bitwise equal.
   Status SumOverGroup(Call* call, double* sums, const std::vector<int>& group, int me, int level) {
     const int count = 3 * call->layout->num_tensors();
-    std::vector<double> other(count);
+    double* other = call->other;  // a buffer the op keeps if the wait fails
     for (size_t bit = 1; bit < group.size(); bit <<= 1) {
       const int peer = group[me ^ bit];
-      std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
-      TFA_MPI(MPI_Irecv(other.data(), count, MPI_DOUBLE, peer, kTagPartials, call->comm.comm, &requests[0]));
-      TFA_MPI(MPI_Isend(sums, count, MPI_DOUBLE, peer, kTagPartials, call->comm.comm, &requests[1]));
-      TF_RETURN_IF_ERROR(call->waiter->Wait(&requests, [&] {
+      TF_RETURN_IF_ERROR(Swap(call, peer, kTagPartials, sums, other, count, MPI_DOUBLE, [&] {
         return absl::StrCat("the partial sums of level ", level, " with rank ", peer, " (group of ranks ",
                             absl::StrJoin(group, ", "), ")");
       }));
       for (int i = 0; i < count; ++i) sums[i] += other[i];
     }
     return absl::OkStatus();
+  }
+
+  // Sends `count` `type`s from `send` to `peer` while receiving as many into
+  // `receive` (either may be null: nothing that way).
+  static Status Swap(Call* call, int peer, int tag, void* send, void* receive, int count, MPI_Datatype type,
+                     const std::function<std::string()>& what) {
+    std::vector<MPI_Request> requests;
+    std::vector<Expected> expected;
+    for (const bool sending : {false, true}) {
+      void* buffer = sending ? send : receive;
+      if (buffer == nullptr) continue;
+      MPI_Request request = MPI_REQUEST_NULL;
+      const int code = sending ? MPI_Isend(buffer, count, type, peer, tag, call->comm.comm, &request)
+                               : MPI_Irecv(buffer, count, type, peer, tag, call->comm.comm, &request);
+      if (code != MPI_SUCCESS) return call->waiter->Abandon(&requests, MpiStatus(code, sending ? "MPI_Isend" : "MPI_Irecv"));
+      requests.push_back(request);
+      expected.push_back(sending ? Expected{} : Expected{type, count});
+    }
+    return call->waiter->Wait(&requests, &expected, what);
   }
 
   int64_t comm_handle_ = 0;
@@ -707,7 +945,7 @@ class AllreduceOp : public CollectiveOp {
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({0}, 0, x.shape(), &out));
     std::vector<Tensor> buffers = {x, *out};
-    Waiter waiter(timeout_seconds_, &buffers);
+    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
     const T* in = x.flat<T>().data();
     T* result = out->flat<T>().data();
     const bool in_place = result == in;  // the input's buffer was forwarded
@@ -720,7 +958,7 @@ class AllreduceOp : public CollectiveOp {
       const void* send = in_place ? MPI_IN_PLACE : static_cast<const void*>(in + done);
       TFA_MPI(MPI_Iallreduce(send, result + done, count, MpiType<T>(), MPI_SUM, comm.comm, &requests[0]));
       TF_RETURN_IF_ERROR(waiter.Wait(
-          &requests,
+          &requests, nullptr,
           [&] { return absl::StrCat("a sum over the ", comm.size, " ranks of the communicator"); },
           /*collective=*/true));
     }
@@ -751,13 +989,13 @@ class AllgatherOp : public CollectiveOp {
     }
     if (bytes == 0) return absl::OkStatus();
     std::vector<Tensor> buffers = {x, *out};
-    Waiter waiter(timeout_seconds_, &buffers);
+    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
     std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
     TFA_MPI(MPI_Iallgather(const_cast<char*>(x.tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
                            const_cast<char*>(out->tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
                            comm.comm, &requests[0]));
     return waiter.Wait(
-        &requests, [&] { return absl::StrCat("a gather over the ", comm.size, " ranks of the communicator"); },
+        &requests, nullptr, [&] { return absl::StrCat("a gather over the ", comm.size, " ranks of the communicator"); },
         /*collective=*/true);
   }
 };

@@ -1,0 +1,158 @@
+"""One rank of `tests/test_mpi_wire.py`: what the MPI wire must survive.
+
+    mpirun -np 2 python mpi_wire_worker.py OUTDIR
+
+Every rank runs the same tasks in order and writes ``OUTDIR/wire_rank{R}.json``
+(plus ``OUTDIR/path_rank{R}.npz``); the test holds the oracle:
+
+* ``native_mismatch``: the native tree with 100000 float32 on rank 0 and
+  60000 on rank 1; then float32 on rank 0 and float64 on rank 1 (the same
+  count); then an agreeing call on the same communicator.
+* ``python_mismatch``: the same sizes through the mpi4py path's swap, then an
+  agreeing swap.
+* ``helpers``: `tf_adasum.mpi.check_same_variables` and `broadcast_variables`
+  from rank 1, then a list that differs on rank 1, then bad arguments.
+* ``path``: rank 1 sets ``TF_ADASUM_MPI_NATIVE=0``, both build an MPI engine
+  (its warnings recorded) and combine tensors with it and, for comparison,
+  with the mpi4py path directly.
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+TIMEOUT_SECONDS = 120.0  # two ranks on two busy cores
+#: The sizes of the issue's reproduction (rank 0, rank 1).
+SIZES = (100000, 60000)
+SHAPES = [(1000,), (3, 7), (70000,), (5,)]
+
+
+def path_inputs(rank: int) -> list[np.ndarray]:
+    """Rank `rank`'s float32 tensors for the ``path`` task."""
+    rng, shared = np.random.default_rng(300 + rank), np.random.default_rng(9)
+    return [(0.8 * shared.standard_normal(s) + 0.6 * rng.standard_normal(s)).astype(np.float32) for s in SHAPES]
+
+
+def _outcome(call) -> dict:
+    start = time.monotonic()
+    try:
+        value = call()
+        report = {"raised": False, "value": value}
+    except Exception as error:  # noqa: BLE001 (the test checks the type)
+        report = {"raised": True, "type": type(error).__name__, "message": str(error)}
+    report["seconds"] = time.monotonic() - start
+    return report
+
+
+def native_mismatch(comm, rank: int) -> dict:
+    from tf_adasum.engines import mpi_native
+
+    def tree(x):
+        return mpi_native.tree([x], comm, "adasum", TIMEOUT_SECONDS)[0][0].numpy()
+
+    sizes = _outcome(lambda: tree(tf.ones([SIZES[rank]], tf.float32)).size)
+    dtypes = _outcome(lambda: tree(tf.ones([1000], tf.float32 if rank == 0 else tf.float64)).size)
+    x = tf.range(1000, dtype=tf.float32)  # the same on both ranks: Adasum(x, x) == x
+    after = _outcome(lambda: bool(np.array_equal(tree(x), x.numpy())))
+    return {"sizes": sizes, "dtypes": dtypes, "after": after}
+
+
+def python_mismatch(comm, rank: int, world) -> dict:
+    from tf_adasum import rvh
+    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_communicator
+
+    communicator = mpi_communicator.MPICommunicator(
+        comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
+    )
+
+    def swap(length):
+        rows = tf.reshape(tf.range(2 * length, dtype=tf.float32) + 10 * rank, [2, length])
+        return [t.numpy().tolist()[:3] for t in communicator.swap_halves(rows, 1 - rank)]
+
+    sizes = _outcome(lambda: swap(SIZES[rank] // 2))
+    after = _outcome(lambda: swap(4))
+    return {"sizes": sizes, "after": after}
+
+
+def helpers(rank: int) -> dict:
+    import keras
+
+    import tf_adasum.mpi
+
+    variables = [
+        tf.Variable(np.full([3, 2], 10.0 * rank + 1, np.float32)),
+        keras.Variable(np.arange(5, dtype=np.float64) + rank),
+    ]
+    report = {"initial": [np.asarray(v.numpy()).tolist() for v in variables]}
+    report["check_same"] = _outcome(lambda: tf_adasum.mpi.check_same_variables(variables))
+    report["broadcast"] = _outcome(lambda: tf_adasum.mpi.broadcast_variables(variables, root_rank=1))
+    report["after"] = [np.asarray(v.numpy()).tolist() for v in variables]
+    differing = variables + ([tf.Variable(tf.zeros([4]))] if rank == 1 else [])
+    report["check_differing"] = _outcome(lambda: tf_adasum.mpi.check_same_variables(differing, "test variables"))
+    report["bad_sum"] = _outcome(lambda: tf_adasum.mpi.allreduce_sum(tf.ones([3])))
+    report["bad_root"] = _outcome(lambda: tf_adasum.mpi.broadcast_variables(variables, root_rank="0"))
+    return report
+
+
+def path(rank: int, world, out: str) -> dict:
+    from tf_adasum import combiners, rvh
+    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_communicator
+    from tf_adasum.engines import mpi as mpi_engine
+    from tf_adasum.engines.base import combine_with_communicators
+
+    if rank == 1:
+        os.environ["TF_ADASUM_MPI_NATIVE"] = "0"  # this rank alone cannot use the native ops
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = mpi_engine.MPIEngine(world, timeout_seconds=TIMEOUT_SECONDS)
+    values = [tf.constant(x) for x in path_inputs(rank)]
+    combined = engine.combine(values, "adasum")
+    comm = world.comm
+    communicator = mpi_communicator.MPICommunicator(
+        comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
+    )
+    python, _ = combine_with_communicators([(v,) for v in values], [communicator], combiners.get("adasum"))
+    arrays = {f"engine_{i}": np.asarray(x) for i, x in enumerate(combined)}
+    arrays.update({f"python_{i}": np.asarray(x[0]) for i, x in enumerate(python)})
+    np.savez(os.path.join(out, f"path_rank{rank}.npz"), **arrays)
+    return {
+        "native": engine.native is not None,
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+    }
+
+
+def main(argv) -> int:
+    out = argv[0]
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_intra_op_parallelism_threads(1)  # ranks share few cores
+    from mpi4py import MPI
+
+    from tf_adasum.engines import mpi_native, select
+
+    if mpi_native.load() is None:
+        raise SystemExit("the native MPI ops are unavailable (see the warning)")
+    world = select.mpi_world()
+    rank = world.rank
+    comm = MPI.COMM_WORLD.Dup()
+    report = {
+        "native_mismatch": native_mismatch(comm, rank),
+        "python_mismatch": python_mismatch(comm, rank, world),
+        "helpers": helpers(rank),
+        "path": path(rank, world, out),
+    }
+    with open(os.path.join(out, f"wire_rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,177 @@
+"""The vector-halving tree's steps over mpi4py (`tf_adasum.comm.mpi`).
+
+`MPICommunicator` is one rank's `tf_adasum.rvh.Communicator`: each step (a
+swap, a gather, a level's float64 partial sums, a fold's send or receive) is
+one ``tf.numpy_function`` on the rank's `tf_adasum.comm.mpi.Chain` (the
+portable path of `tf_adasum.engines.mpi`; the native op is the fast one).
+
+Sizes are agreed before data moves: before a step's first data message, the
+two ranks of a pair swap a small layout record (bytes, dtype, message size)
+and both raise `tf.errors.InvalidArgumentError` naming both layouts when they
+differ (nothing was sent, so the communicator stays usable); every receive's
+size is then checked as well (``MPI_Get_count``). A failure with messages in
+flight marks the communicator failed (see `tf_adasum.comm.mpi`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tf_adasum.comm import mpi as transport
+
+__all__ = ["MESSAGE_BYTES", "MPICommunicator"]
+
+#: The most bytes one message of the tree carries, as in the native op
+#: (``kMaxMessageBytes`` in ``tf_adasum/native/adasum_mpi_ops.cc``): over TCP,
+#: Open MPI moves large messages far below a link's rate, and pieces of this
+#: size near it when each receive is posted just before its send.
+MESSAGE_BYTES = 256 << 10
+
+_TAG_EXCHANGE, _TAG_FOLD, _TAG_LAYOUT = 0, 1, 2
+#: Dtypes named in a layout record (others by their item size).
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
+
+
+def _pieces(array: np.ndarray) -> list[np.ndarray]:
+    """`array`'s bytes in messages of at most `MESSAGE_BYTES` (views)."""
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return [raw[start : start + MESSAGE_BYTES] for start in range(0, raw.size, MESSAGE_BYTES)] or [raw]
+
+
+def _layout(array: np.ndarray) -> np.ndarray:
+    """The record a pair swaps before a step's data: bytes, dtype, message size."""
+    name = array.dtype.name
+    code = _DTYPES.index(name) if name in _DTYPES else 1000 + array.dtype.itemsize
+    return np.array([array.nbytes, code, MESSAGE_BYTES], np.int64)
+
+
+def _describe(record: np.ndarray) -> str:
+    nbytes, code, piece = (int(x) for x in record)
+    dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"{code - 1000}-byte items"
+    return f"{nbytes} bytes of {dtype} (in messages of {piece} bytes)"
+
+
+class MPICommunicator:
+    """One rank's `rvh.Communicator` over an mpi4py communicator.
+
+    Args:
+      comm: the mpi4py communicator whose ranks take part (e.g. ``COMM_WORLD``).
+      sum_comms: `tf_adasum.comm.mpi.World.sum_communicators` of `comm` for
+        the tree's groups.
+      chain: orders this process's MPI calls.
+      timeout_seconds: how long a call waits for its peers (0: forever).
+    """
+
+    device = ""  # the arithmetic stays where TensorFlow places it
+
+    def __init__(self, comm, sum_comms, chain: transport.Chain, timeout_seconds: float):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._sum_comms = sum_comms
+        self._chain = chain
+        self._timeout = timeout_seconds
+
+    def _agree(self, peer: int, array: np.ndarray, what: str) -> None:
+        """Swaps `array`'s layout record with `peer`; both raise when they differ."""
+        transport.check_usable(self.comm)
+        mine, theirs = _layout(array), np.zeros(3, np.int64)
+        requests = [
+            self.comm.Irecv(theirs, source=peer, tag=_TAG_LAYOUT),
+            self.comm.Isend(mine, dest=peer, tag=_TAG_LAYOUT),
+        ]
+        transport.wait(
+            requests, self._timeout, f"the layout agreement of {what} with rank {peer}", self.comm, cancel=True
+        )
+        if not np.array_equal(mine, theirs):
+            layouts = {self.rank: mine, peer: theirs}  # named in rank order: the same message on both
+            raise tf.errors.InvalidArgumentError(
+                None,
+                None,
+                f"tf_adasum MPI engine: the ranks disagree on {what}, so no data was sent: "
+                + ", ".join(f"rank {r} has {_describe(record)}" for r, record in sorted(layouts.items()))
+                + ". Every rank must pass tensors of the same shapes and dtype, in the same order.",
+            )
+
+    def _transfer(self, peer: int, send: np.ndarray | None, receive: np.ndarray | None, tag: int, what: str) -> None:
+        """Sends `send` to `peer` while receiving its message into `receive`
+        (either may be None), in `MESSAGE_BYTES` pieces: receive k, then send
+        k; each receive's size checked."""
+        MPI = transport.mpi()
+        incoming = _pieces(receive) if receive is not None else []
+        outgoing = _pieces(send) if send is not None else []
+        requests, expected = [], []
+        for k in range(max(len(incoming), len(outgoing))):
+            if k < len(incoming):
+                requests.append(self.comm.Irecv(incoming[k], source=peer, tag=tag))
+                expected.append(incoming[k].nbytes)
+            if k < len(outgoing):
+                requests.append(self.comm.Isend(outgoing[k], dest=peer, tag=tag))
+                expected.append(None)
+        statuses = [MPI.Status() for _ in requests]
+        transport.wait(requests, self._timeout, what, self.comm, statuses, cancel=True)
+        for status, nbytes in zip(statuses, expected):
+            if nbytes is not None and status.Get_count(MPI.BYTE) != nbytes:
+                message = (
+                    f"tf_adasum MPI engine: {what} received a message of {status.Get_count(MPI.BYTE)} bytes where "
+                    f"{nbytes} were expected (the ranks run different programs)."
+                )
+                transport.mark_failed(self.comm, message)
+                raise tf.errors.InvalidArgumentError(None, None, message)
+
+    def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
+        """Sends `send` to `peer` while receiving its message into `receive`
+        (same size), once both agreed on the layout."""
+        self._agree(peer, receive, what)
+        self._transfer(peer, send, receive, _TAG_EXCHANGE, f"{what} with rank {peer}")
+
+    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
+        me = 0 if self.rank < partner else 1
+
+        def swap(rows):
+            out = np.empty_like(rows[me])
+            self._exchange(rows[1 - me], out, partner, "swap_halves")
+            return out
+
+        received = self._chain.call(swap, [x], x.dtype, x.shape[1:])
+        return (x[0], received) if me == 0 else (received, x[1])
+
+    def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
+        me = 0 if self.rank < partner else 1
+
+        def gather(mine):
+            out = np.empty((2,) + mine.shape, mine.dtype)
+            self._exchange(mine, out[1 - me], partner, "gather_pair")
+            out[me] = mine
+            return out.reshape(-1)
+
+        length = x.shape[0]
+        return self._chain.call(gather, [x], x.dtype, [None if length is None else 2 * length])
+
+    def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
+        sub = self._sum_comms[tuple(members)]
+        what = f"the partial sums over ranks {members}"
+        return self._chain.call(
+            lambda v: transport.allreduce_sum(sub, v, self._timeout, what), [x], tf.float64, x.shape
+        )
+
+    def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
+        def send(values):
+            self._agree(peer, values, "a fold's message")
+            self._transfer(peer, values, None, _TAG_FOLD, f"a send to rank {peer}")
+            return values
+
+        return self._chain.call(send, [x], x.dtype, x.shape)
+
+    def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
+        def recv(template):
+            out = np.empty_like(template)
+            self._agree(peer, out, "a fold's message")
+            self._transfer(peer, None, out, _TAG_FOLD, f"a receive from rank {peer}")
+            return out
+
+        return self._chain.call(recv, [like], like.dtype, like.shape)
+
+    def direct(self, members: tuple[int, ...]) -> bool:
+        """False: every rank is a process of its own."""
+        return False
