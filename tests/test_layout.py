@@ -28,6 +28,8 @@ LAYERS = {
     "comm.mpi": 3.5,  # over comm.ordering
     "comm.sockets": 3.5,  # over comm.ordering
     "comm.socket_communicator": 3.75,  # over comm.sockets and comm.collective's keys
+    "comm.socket_listener": 3,  # below comm.sockets
+    "comm.mpi_communicator": 3.75,  # over comm.mpi
     "engines.base": 4,
     "engines.mpi_native": 4,
     "engines.tf": 5,

@@ -10,9 +10,12 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import TOLERANCE, relative_error
 
-from tf_adasum.comm import sockets
+from tf_adasum import combiners, reference
+from tf_adasum.comm import socket_communicator, socket_listener, sockets
 from tf_adasum.engines import tf as tf_engine
+from tf_adasum.engines.base import combine_with_communicators
 
 
 def _meshes(count, timeout=30.0):
@@ -66,8 +69,29 @@ def _bytes(rng, n):
     return rng.integers(0, 256, n, dtype=np.uint8)
 
 
+def _until(link, condition, what: str) -> None:
+    """Waits on `link`'s own notifications (a message read, a receive posted,
+    a failure) until `condition()` holds; fails the test after 30 s."""
+    with link._state:
+        assert link._state.wait_for(condition, timeout=30), f"never: {what}"
+
+
+def _arrived(mesh, peer, tag, count=1):
+    """Waits until `count` messages with `tag` from `peer` wait, read, for their receives."""
+    link = mesh.link(peer, time.monotonic() + 30)
+    _until(link, lambda: sum(r.done for r in link._early.get(tag, ())) >= count, f"{count} early message(s) {tag}")
+
+
+def _waiting(mesh, peer, tag):
+    """Waits until a receive with `tag` from `peer` is posted (its caller then waits)."""
+    link = mesh.link(peer, time.monotonic() + 30)
+    _until(link, lambda: bool(link._posted.get(tag)), f"a receive posted for tag {tag}")
+
+
 def test_every_pair_exchanges_messages_of_any_size(rng):
     meshes = _meshes(3)
+    for mesh in meshes:  # as the communicators do: the largest message of the layout may come early
+        mesh.allow(3 << 20)
     sizes = [0, 1, 1000, 3 << 20]
     sent = {(a, b, n): _bytes(rng, n) for a in range(3) for b in range(3) if a != b for n in sizes}
 
@@ -90,7 +114,8 @@ def test_messages_match_by_tag_whatever_the_order(rng):
     a, b = _bytes(rng, 100), _bytes(rng, 200)
     first.exchange(1, 7, a, None, "a test")
     first.exchange(1, 8, b, None, "a test")
-    time.sleep(0.2)  # both arrive before anyone asks for them
+    _arrived(second, 0, 7)  # both arrive before anyone asks for them
+    _arrived(second, 0, 8)
     assert second.exchange(0, 8, None, 200, "a test").tobytes() == b.tobytes()  # adopted as it came
     into = np.zeros(100, np.uint8)
     assert second.exchange(0, 7, None, into, "a test") is into  # copied where asked
@@ -112,15 +137,16 @@ def test_a_message_of_another_size_fails_the_receiver(early, rng):
     first, second = _meshes(2)
     if early:
         first.exchange(1, 5, _bytes(rng, 10), None, "a test")
-        time.sleep(0.2)
+        _arrived(second, 0, 5)
         with pytest.raises(tf.errors.InvalidArgumentError, match="sent 10 bytes where 12 were expected"):
             second.exchange(0, 5, None, 12, "a test")
         # The receiver closed the link: the sender's next wait fails too, it does not hang.
         with pytest.raises(tf.errors.UnavailableError, match="a worker failed or left"):
             first.exchange(1, 6, None, 4, "a test")
     else:
+        first.link(1, None)  # connected, so that the receive can be posted
         waiting = _started(lambda: second.exchange(0, 5, None, 12, "a test"))
-        time.sleep(0.2)
+        _waiting(second, 0, 5)
         # The receiver drops the connection on the header: the sender may see
         # that before its payload has left.
         sent = _raised_or_result(lambda: first.exchange(1, 5, _bytes(rng, 10), None, "a test"))
@@ -148,7 +174,7 @@ def test_a_closed_connection_fails_every_wait_on_it():
     link = first.link(1, None)
     second.link(0, time.monotonic() + 10)
     waiting = _started(lambda: second.exchange(0, 4, None, 8, "a test"))
-    time.sleep(0.2)
+    _waiting(second, 0, 4)
     link._fail(tf.errors.UnavailableError(None, None, "closed by the test"))  # as a dying process closes it
     error = waiting()
     assert isinstance(error, tf.errors.UnavailableError) and "a worker failed or left" in str(error)
@@ -179,7 +205,7 @@ def test_one_failed_link_fails_the_whole_mesh(rng):
     meshes[0].link(2, None)
     meshes[2].link(0, time.monotonic() + 10)
     waiting = _started(lambda: meshes[2].exchange(0, 1, None, 8, "a test"))
-    time.sleep(0.2)
+    _waiting(meshes[2], 0, 1)
     meshes[0].link(1, None)._fail(tf.errors.UnavailableError(None, None, "link 0-1 failed in the test"))
     # Process 0's other link fails too (its step's messages there are now unmatched), and so does its peer's wait.
     with pytest.raises(tf.errors.UnavailableError, match="link 0-1 failed in the test"):
@@ -270,3 +296,140 @@ def test_try_connect_reports_unreachable_peers_without_raising():
     failures = mesh.try_connect([1, 2], time.monotonic() + 5)
     assert len(failures) == 1 and f"127.0.0.1:{closed}" in failures[0], failures
     assert mesh.link(1, time.monotonic() + 5) is not None  # the reachable peer is connected
+
+
+# -- strangers at the door, and the listener's life --------------------------------------
+
+_DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+
+
+def _tree_over(meshes, inputs):
+    """The Adasum tree of `inputs` (per rank) over two meshes of this process,
+    each rank's steps in a thread of its own; every rank's results."""
+    out = {}
+
+    def run(rank):
+        communicator = socket_communicator.SocketCommunicator(_DEVICES, rank, [0, 1], meshes[rank])
+        with tf.device(_DEVICES[rank]):
+            values = [(tf.constant(x),) for x in inputs[rank]]
+        combined, _ = combine_with_communicators(values, [communicator], combiners.get("adasum"))
+        return [np.asarray(c[0]) for c in combined]
+
+    results = _in_threads(*(lambda rank=rank: run(rank) for rank in range(2)))
+    out = {rank: result for rank, result in enumerate(results)}
+    return out
+
+
+def test_strangers_cost_no_threads_are_cut_off_at_the_hello_deadline_and_change_nothing(rng, monkeypatch):
+    hello_seconds = 1.5
+    monkeypatch.setattr(socket_listener, "HELLO_SECONDS", hello_seconds)
+    inputs = [[rng.standard_normal(s).astype(np.float32) for s in [(1000,), (300, 7), (5,)]] for _ in range(2)]
+    listeners = [sockets.Listener("127.0.0.1") for _ in range(2)]
+    addresses = [("127.0.0.1", listener.port) for listener in listeners]
+    tokens = [listener.token for listener in listeners]
+    meshes = [sockets.Mesh(listener, i, addresses, tokens, 30.0) for i, listener in enumerate(listeners)]
+    before = threading.active_count()
+    # 300 idle connections to the worker that is connected to, then 10 that trickle a valid-looking hello
+    # (the right magic and index, a wrong token) one byte every 0.25 s: 5 s for the whole hello.
+    idle = [socket.create_connection(addresses[1], timeout=30) for _ in range(300)]
+    hello = b"tfadasum" + (0).to_bytes(4, "little") + (tokens[1] ^ 1).to_bytes(8, "little")
+    trickling = [socket.create_connection(addresses[1], timeout=30) for _ in range(10)]
+    for sock in trickling:
+        sock.setblocking(False)
+    cut_after = {}
+
+    def trickle():
+        start = time.monotonic()
+        for sent in range(len(hello)):
+            for i, sock in enumerate(trickling):
+                if i in cut_after:
+                    continue
+                try:
+                    if sock.recv(1) == b"":
+                        cut_after[i] = time.monotonic() - start
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    cut_after[i] = time.monotonic() - start
+                    continue
+                try:
+                    sock.send(hello[sent : sent + 1])
+                except OSError:
+                    cut_after[i] = time.monotonic() - start
+            if len(cut_after) == len(trickling):
+                return
+            time.sleep(0.25)
+
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        # Meanwhile the workers connect and combine: the same bits as the reference tree's rounding allows,
+        # on both ranks, and the same bits again with the strangers still there.
+        first = _tree_over(meshes, inputs)
+        during = threading.active_count() - 1  # the trickling thread is the test's
+        second = _tree_over(meshes, inputs)
+        trickler.join(30)
+        # The idle ones were dropped as well (at most MAX_PENDING wait at once; the rest went earlier).
+        for sock in idle:
+            sock.settimeout(hello_seconds + 10)
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionError:
+                pass  # reset by the worker: dropped too
+    finally:
+        for sock in idle + trickling:
+            sock.close()
+    expected = reference.adasum_tree([[x.astype(np.float64) for x in rank] for rank in inputs])
+    for i, want in enumerate(expected):
+        assert relative_error(first[0][i], want) < TOLERANCE["float32"], i
+        for result in (first[1], second[0], second[1]):
+            assert result[i].tobytes() == first[0][i].tobytes(), i
+    # Bounded threads: one listener thread per mesh serves every stranger (the links' readers are the
+    # only new ones: two per connected pair, made by the workers' own connection).
+    assert during <= before + 2, (before, during)
+    # One deadline for the whole hello, however the bytes trickle in.
+    assert len(cut_after) == len(trickling), cut_after
+    assert max(cut_after.values()) < hello_seconds + 2.0 < 0.25 * len(hello), cut_after
+
+
+def test_closing_the_mesh_closes_its_listener():
+    first, second = _meshes(2)
+    first.link(1, None)
+    port = second.addresses[1][1]
+    second.close()
+    second._door.thread.join(10)
+    assert not second._door.thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).recv(1)  # refused, or closed at once
+    with pytest.raises(tf.errors.UnavailableError, match="the transport was closed"):
+        second.exchange(0, 1, None, 8, "a test")
+    # The peer's link saw the connection close.
+    with pytest.raises(tf.errors.UnavailableError):
+        first.exchange(1, 1, None, 8, "a test")
+
+
+def test_a_failed_mesh_closes_its_listener():
+    first, second = _meshes(2)
+    first.link(1, None)._fail(tf.errors.UnavailableError(None, None, "failed in the test"))
+    first._door.thread.join(10)
+    assert not first._door.thread.is_alive()
+
+
+def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):
+    first, second = _meshes(2, timeout=2.0)
+    big = _bytes(rng, 1 << 20)  # above the early-message limit: nothing was allowed
+    first.exchange(1, 1, big, None, "a test")
+    link = second.link(0, time.monotonic() + 10)
+    _until(link, lambda: link.withheld == (1, 1 << 20), "the reader to leave the message unread")
+    assert not link._early.get(1), "buffered although larger than any message expected"
+    assert second.exchange(0, 1, None, big.nbytes, "a test").tobytes() == big.tobytes()  # posted in time: taken
+    # Allowed: buffered as it comes, before any receive.
+    second.allow(1 << 20)
+    first.exchange(1, 2, big, None, "a test")
+    _arrived(second, 0, 2)
+    # Not allowed and never received: the link fails once the timeout has passed.
+    first.exchange(1, 3, _bytes(rng, 2 << 20), None, "a test")
+    _until(link, lambda: link._failure is not None, "the link to fail")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="no receive took within 2 s, more than the 1048576"):
+        second.exchange(0, 4, None, 8, "a test")

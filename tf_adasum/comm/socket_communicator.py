@@ -4,7 +4,10 @@
 swap, a gather, a level's float64 partial sums, a fold's send or receive) is
 one ``tf.numpy_function`` that sends from the tensor's memory and receives
 into the result's (bytes, whatever the dtype: tensors travel bitcast to
-uint8). `sum_steps` says whom a partial sum talks to.
+uint8). `sum_steps` says whom a partial sum talks to. Each step tells the
+mesh the size of the message it receives (`Mesh.allow`: when it is built, if
+the shape is known, and when it runs), so a message arriving before its
+receive is buffered only up to the largest size of the agreed layout.
 """
 
 from __future__ import annotations
@@ -71,7 +74,11 @@ class SocketCommunicator:
         instance_key = collective.KEYS.instance_key(group_key, self.device)
         return group_key << 32 | instance_key
 
-    def _call(self, fn, inputs: Sequence[tf.Tensor], nbytes) -> tf.Tensor:
+    def _call(self, fn, inputs: Sequence[tf.Tensor], nbytes, receives=None) -> tf.Tensor:
+        """`fn` on the mesh's chain, returning `nbytes` bytes; `receives`: the
+        size of the message it receives, when known now (see `Mesh.allow`)."""
+        if receives is not None:
+            self._mesh.allow(receives)
         with tf.device(self.device):
             return self._mesh.chain.call(fn, inputs, tf.uint8, [nbytes])
 
@@ -86,9 +93,10 @@ class SocketCommunicator:
             nbytes = None if x.shape[1] is None else x.shape[1] * x.dtype.size
 
         def swap(rows):
+            self._mesh.allow(rows.shape[1])
             return self._mesh.exchange(peer, tag, rows[1 - me], rows.shape[1], what)
 
-        received = _from_bytes(self._call(swap, [rows], nbytes), x.dtype)
+        received = _from_bytes(self._call(swap, [rows], nbytes, nbytes), x.dtype)
         with tf.device(self.device):
             kept = x[me]
         return (kept, received) if me == 0 else (received, kept)
@@ -101,6 +109,7 @@ class SocketCommunicator:
         nbytes = None if x.shape[0] is None else 2 * x.shape[0] * x.dtype.size
 
         def gather(mine):
+            self._mesh.allow(mine.nbytes)
             out = aligned_empty(2 * mine.nbytes).reshape(2, -1)
 
             def copy_mine():  # after the send: the copy overlaps the transfer's tail
@@ -109,7 +118,7 @@ class SocketCommunicator:
             self._mesh.exchange(peer, tag, mine, out[1 - me], what, while_receiving=copy_mine)
             return out.reshape(-1)
 
-        return _from_bytes(self._call(gather, [mine], nbytes), x.dtype)
+        return _from_bytes(self._call(gather, [mine], nbytes, None if nbytes is None else nbytes // 2), x.dtype)
 
     def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
         """Sums `x` over `members` in one call: by recursive doubling (the pair
@@ -122,6 +131,7 @@ class SocketCommunicator:
             flat = _as_bytes(tf.cast(x, tf.float64))
 
         def add(mine):
+            self._mesh.allow(mine.nbytes)
             total = mine.view(np.float64).copy()
             for step, step_tags in zip(steps, tags):
                 values = {self.rank: total}
@@ -134,7 +144,8 @@ class SocketCommunicator:
             return total.view(np.uint8)
 
         elements = x.shape.num_elements()
-        summed = _from_bytes(self._call(add, [flat], None if elements is None else 8 * elements), tf.float64)
+        nbytes = None if elements is None else 8 * elements
+        summed = _from_bytes(self._call(add, [flat], nbytes, nbytes), tf.float64)
         with tf.device(self.device):
             out = tf.reshape(summed, tf.shape(x))
         out.set_shape(x.shape)
@@ -160,9 +171,10 @@ class SocketCommunicator:
             size = tf.size(like, out_type=tf.int64) * like.dtype.size
 
         def recv(size):
+            self._mesh.allow(int(size))
             return self._mesh.exchange(process, tag, None, int(size), what)
 
-        received = _from_bytes(self._call(recv, [size], nbytes), like.dtype)
+        received = _from_bytes(self._call(recv, [size], nbytes, nbytes), like.dtype)
         with tf.device(self.device):
             out = tf.reshape(received, tf.shape(like))
         out.set_shape(like.shape)

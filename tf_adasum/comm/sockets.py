@@ -8,9 +8,9 @@ messages, so this transport sends each one from the tensor's memory over one
 TCP connection per pair of processes, and the receiving thread reads it into
 the memory the result lives in: one copy into the kernel and one out.
 
-* `Listener`: this process's listening socket (an address and port of the
-  engine's choice, by default every interface and a port the system picks)
-  and a random token a peer must present when it connects.
+* `Listener` (from `tf_adasum.comm.socket_listener`, which also keeps
+  strangers at the door): this process's listening socket and the token a
+  peer presents when it connects.
 * `Mesh`: one process's connections to its peers, made on first use (the
   lower index connects), each read by a thread of its own. A message carries
   a 64-bit tag; the k-th message a peer sends with a tag fills the k-th
@@ -20,21 +20,30 @@ the memory the result lives in: one copy into the kernel and one out.
 
 Failures never hang, and a link that failed once stays failed (every later
 use raises) and fails the mesh's other links (the failed step left messages
-unmatched there too; the process must start over): a wait past the timeout
-raises `DeadlineExceededError`; a connection that closes or resets (a peer
-that died or left) fails every wait on it with `UnavailableError`; TCP keepalive (idle connections) and
-``TCP_USER_TIMEOUT`` (unacknowledged data) notice a peer host that vanished
-without closing, within about a minute; a message of another size than the
-one expected (processes running different programs) fails the link, so its
-sender's next wait fails too. Raised inside a ``tf.numpy_function``, these
-reach the caller as TensorFlow's `UnknownError` whose message carries the
-class name and this module's "tf_adasum socket transport:" text.
+unmatched there too; the process must start over), and the mesh's listener
+closes: a wait past the timeout raises `DeadlineExceededError`; a connection
+that closes or resets (a peer that died or left) fails every wait on it with
+`UnavailableError`; TCP keepalive (idle connections) and ``TCP_USER_TIMEOUT``
+(unacknowledged data) notice a peer host that vanished without closing,
+within about a minute; a message of another size than the one expected
+(processes running different programs) fails the link, so its sender's next
+wait fails too. A message that comes before its receive is posted is
+buffered only up to the largest message the mesh expects (`Mesh.allow`, which
+the communicators call with their steps' sizes: the agreed layout's); a
+larger one waits, unread, for its receive, and fails the link when none
+comes within the timeout, so a 64-bit length never decides an allocation.
+Raised inside a ``tf.numpy_function``, these reach the caller as
+TensorFlow's `UnknownError` whose message carries the class name and this
+module's "tf_adasum socket transport:" text.
+
+(About 440 lines: the link's reader, its sender and the failure latch share
+one state and are kept together; the listener lives in
+`tf_adasum.comm.socket_listener`.)
 """
 
 from __future__ import annotations
 
 import collections
-import secrets
 import socket
 import struct
 import threading
@@ -44,21 +53,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.comm import ordering
+from tf_adasum.comm import ordering, socket_listener
+from tf_adasum.comm.socket_listener import Listener
 
 __all__ = ["CONNECT_TIMEOUT_SECONDS", "Listener", "Mesh", "aligned_empty"]
 
-_HELLO = struct.Struct("<8sIQ")  # magic, the connecting process's index, the listener's token
-_MAGIC = b"tfadasum"
 _HEADER = struct.Struct("<QQ")  # tag, payload bytes
-_ACCEPTED = b"\x01"
-_HANDSHAKE_SECONDS = 30.0
+_HANDSHAKE_SECONDS = 30.0  # the connecting side's wait for the answer to its hello
 _KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 _USER_TIMEOUT_MS = 60_000
 
 #: How long `Mesh.connect` waits for its peers when messages may wait forever.
 CONNECT_TIMEOUT_SECONDS = 600.0
 _READER_POLL_SECONDS = 60.0
+#: A message that comes before its receive is buffered up to this many bytes
+#: at least (more as `Mesh.allow` raises the limit).
+_MIN_EARLY_BYTES = 1 << 16
 _FOREVER_SECONDS = 365 * 86400.0
 _ALIGN = 64  # TensorFlow takes a numpy result without a copy when it is this aligned
 
@@ -93,34 +103,6 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-class Listener:
-    """A listening socket.
-
-    Args:
-      host: the address to listen on (a name is resolved; its first address
-        is taken); None: every interface.
-      port: the port; 0: one the system picks.
-
-    Raises:
-      OSError: the address is not this machine's (``EADDRNOTAVAIL``), or the
-        port is taken (``EADDRINUSE``).
-
-    Attributes:
-      port: the port; token: a random 52-bit number (exact in float64) that
-        peers present when they connect, so a stray connection is refused.
-    """
-
-    def __init__(self, host: str | None = None, port: int = 0):
-        if host is not None:
-            self.socket = socket.create_server((host, port))
-        elif socket.has_dualstack_ipv6():
-            self.socket = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-        else:
-            self.socket = socket.create_server(("", port))
-        self.port = self.socket.getsockname()[1]
-        self.token = secrets.randbits(52)
-
-
 class _Receive:
     """One message expected (or arrived early) on a link."""
 
@@ -142,7 +124,7 @@ def _fresh(failure: tf.errors.OpError) -> tf.errors.OpError:
 class _Link:
     """The connection to one peer: a reading thread and a lock for sending."""
 
-    def __init__(self, sock: socket.socket, name: str, timeout: float, on_failure=None):
+    def __init__(self, sock: socket.socket, name: str, timeout: float, on_failure=None, limit=lambda: 0):
         _tune(sock)
         # Two socket objects on one connection, each with its own timeout. Both
         # must have one: a timeout makes the (shared) descriptor non-blocking.
@@ -157,19 +139,47 @@ class _Link:
         self._early: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._failure: tf.errors.OpError | None = None
         self._on_failure = on_failure  # called once with the first failure (the mesh fails the others)
+        self._timeout = timeout
+        self._limit = limit  # the most bytes a message may bring before its receive is posted
+        self.withheld: tuple[int, int] | None = None  # see `_claim`
         threading.Thread(target=self._read_forever, name=f"tf_adasum reader ({name})", daemon=True).start()
 
     def _claim(self, tag: int, nbytes: int) -> _Receive:
+        """Where the message with `tag` and `nbytes` goes: its posted receive,
+        or a buffer of its own (at most `_limit()` bytes; a larger message
+        waits, unread, for its receive to be posted, within the timeout)."""
+        deadline = time.monotonic() + self._timeout if self._timeout else None
         with self._state:
-            posted = self._posted.get(tag)
-            if posted:
-                receive = posted.popleft()
-                if receive.buffer.nbytes != nbytes:
-                    raise ValueError(f"a message of {nbytes} bytes where {receive.buffer.nbytes} were expected")
-                return receive
-            receive = _Receive(aligned_empty(nbytes))
-            self._early[tag].append(receive)
-            return receive
+            while True:
+                posted = self._posted.get(tag)
+                if posted:
+                    self.withheld = None
+                    receive = posted.popleft()
+                    if receive.buffer.nbytes != nbytes:
+                        raise ValueError(f"a message of {nbytes} bytes where {receive.buffer.nbytes} were expected")
+                    return receive
+                limit = max(self._limit(), _MIN_EARLY_BYTES)
+                if nbytes <= limit:
+                    self.withheld = None
+                    receive = _Receive(aligned_empty(nbytes))
+                    self._early[tag].append(receive)
+                    return receive
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if self._failure is not None or (remaining is not None and remaining <= 0):
+                    self.withheld = None
+                    raise ValueError(
+                        f"a message of {nbytes} bytes came that no receive took within {self._timeout:g} s, more "
+                        f"than the {limit} bytes of the largest message this process expects"
+                    )
+                if self.withheld is None:
+                    self.withheld = (tag, nbytes)  # (tag, bytes) of the message left unread meanwhile
+                    self._state.notify_all()
+                self._state.wait(remaining)
+
+    def notify(self) -> None:
+        """Wakes a reader waiting in `_claim` (a limit was raised)."""
+        with self._state:
+            self._state.notify_all()
 
     def _read_forever(self) -> None:
         header = bytearray(_HEADER.size)
@@ -225,6 +235,7 @@ class _Link:
             if not early:
                 receive = _Receive(aligned_empty(into) if isinstance(into, int) else into)
                 self._posted[tag].append(receive)
+                self._state.notify_all()  # a reader may wait for it (`_claim`)
                 return receive
             receive = early.popleft()
             if receive.buffer.nbytes == nbytes:
@@ -302,7 +313,8 @@ class Mesh:
         self._connecting: set[int] = set()
         self._failure: tf.errors.OpError | None = None
         self._state = threading.Condition()
-        threading.Thread(target=self._accept_forever, name="tf_adasum listener", daemon=True).start()
+        self._largest_message = 0  # see `allow`
+        self._door = socket_listener.Door(listener, self._admit)
 
     def _name(self, peer: int) -> str:
         host, port = self.addresses[peer]
@@ -310,44 +322,50 @@ class Mesh:
 
     def _fail_all(self, failure: tf.errors.OpError) -> None:
         """One failed link fails them all: the failed step left messages
-        unmatched on the other links too, and a later step would take them."""
+        unmatched on the other links too, and a later step would take them.
+        The listener closes: this mesh takes no new connection."""
         with self._state:
             if self._failure is None:
                 self._failure = failure
             links = list(self._links.values())
             self._state.notify_all()
+        self._door.close()
         for link in links:
             link._fail(failure)
 
+    def close(self) -> None:
+        """Shuts the transport down: the listener closes, and every link fails
+        (a later exchange raises `UnavailableError`)."""
+        self._fail_all(_error(tf.errors.UnavailableError, "the transport was closed."))
+
+    def allow(self, nbytes: int) -> None:
+        """Lets a message of up to `nbytes` bytes be buffered when it comes
+        before its receive is posted (the communicators call this with the
+        sizes of the steps they build, so the limit is the largest message of
+        the agreed layout); a larger one waits, unread, for its receive."""
+        with self._state:
+            if nbytes <= self._largest_message:
+                return
+            self._largest_message = int(nbytes)
+            links = list(self._links.values())
+        for link in links:
+            link.notify()
+
     def _new_link(self, sock: socket.socket, peer: int) -> _Link:
-        return _Link(sock, self._name(peer), self.timeout, self._fail_all)
+        return _Link(sock, self._name(peer), self.timeout, self._fail_all, lambda: self._largest_message)
 
-    def _accept_forever(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.socket.accept()
-                threading.Thread(target=self._handshake, args=(sock,), name="tf_adasum handshake", daemon=True).start()
-            except (OSError, RuntimeError):  # a client that reset first, no descriptor or thread left
-                time.sleep(0.1)
-
-    def _handshake(self, sock: socket.socket) -> None:
-        """Takes a connection from a lower peer that presents this listener's token."""
-        try:
-            sock.settimeout(_HANDSHAKE_SECONDS)
-            hello = bytearray(_HELLO.size)
-            _recv_exactly(sock, memoryview(hello))
-            magic, peer, token = _HELLO.unpack(hello)
-            if magic != _MAGIC or token != self._listener.token or not 0 <= peer < self.index:
-                raise ConnectionError("not a peer of this cluster")
-            with self._state:
-                if peer in self._links or self._failure is not None:
-                    raise ConnectionError(f"process {peer} is connected already, or this mesh failed")
-                link = self._new_link(sock, peer)
-                sock.sendall(_ACCEPTED)
-                self._links[peer] = link
-                self._state.notify_all()
-        except BaseException:  # noqa: BLE001 - refused: the connector sees the connection close
-            sock.close()
+    def _admit(self, sock: socket.socket, peer: int) -> bool:
+        """Takes a connection from a lower peer whose hello had this listener's token."""
+        if not 0 <= peer < self.index:
+            return False
+        with self._state:
+            if peer in self._links or self._failure is not None:
+                return False  # connected already, or this mesh failed
+            sock.sendall(socket_listener.ACCEPTED)  # before the link exists: a failed answer fails no link
+            link = self._new_link(sock, peer)
+            self._links[peer] = link
+            self._state.notify_all()
+        return True
 
     def link(self, peer: int, deadline: float | None) -> _Link:
         """The connection to `peer`, made (the lower index connects) or awaited."""
@@ -382,8 +400,8 @@ class Mesh:
         try:
             remaining = _HANDSHAKE_SECONDS if deadline is None else max(deadline - time.monotonic(), 1e-3)
             sock = socket.create_connection(self.addresses[peer], timeout=remaining)
-            sock.sendall(_HELLO.pack(_MAGIC, self.index, self.tokens[peer]))
-            if sock.recv(1) != _ACCEPTED:
+            sock.sendall(socket_listener.hello(self.index, self.tokens[peer]))
+            if sock.recv(1) != socket_listener.ACCEPTED:
                 raise ConnectionError("it refused the connection (not this cluster's worker at that address?)")
             return self._new_link(sock, peer)
         except OSError as error:
