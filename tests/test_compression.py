@@ -123,7 +123,7 @@ def test_replicas_stay_identical_through_the_fold_on_values_that_round_up(wire, 
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_collective_matches_reference_within_the_wire_precision(n, wire, rng):
     shapes = [(1,), (2 * n + 1,), (1000,), (3, 5), (4,), (1 << 16,)]
     per_rank = [

@@ -60,7 +60,7 @@ print("MISMATCHES", mismatches)
 """
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sum_and_mean_are_exactly_the_native_default(n):
     # A process may hold native MirroredStrategies of one size only: each one's
     # CollectiveAllReduce starts at group key 1 (a TF limitation ours avoids).

@@ -89,6 +89,7 @@ def pages(site) -> dict[pathlib.Path, _Page]:
     return {path: _parse(path) for path in site.rglob("*.html")}
 
 
+@pytest.mark.slow
 def test_every_internal_link_and_image_of_the_site_resolves(site, pages):
     broken = []
     for path, page in pages.items():
@@ -109,6 +110,7 @@ def test_every_internal_link_and_image_of_the_site_resolves(site, pages):
     assert len(pages) > 10, f"the site has only {len(pages)} pages"
 
 
+@pytest.mark.slow
 def test_every_figure_in_docs_is_shown_by_a_page(pages):
     # That each shown image resolves is checked above; here, that no shipped figure is orphaned.
     images = [target for page in pages.values() for target in page.targets if target.endswith(".png")]
@@ -118,6 +120,7 @@ def test_every_figure_in_docs_is_shown_by_a_page(pages):
     assert shipped <= shown, f"figures in docs/ that no page shows: {sorted(shipped - shown)}"
 
 
+@pytest.mark.slow
 def test_the_api_reference_documents_every_public_name(site):
     import tf_adasum
 

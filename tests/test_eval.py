@@ -229,6 +229,7 @@ REQUIRED_FIELDS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_and_resume(tmp_path, capsys):
     argv = [
         "--combiners", "adasum", "keras-scaled", "--replicas", "2", "--batch-per-replica", "16",
@@ -259,6 +260,7 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
     assert again == records
 
 
+@pytest.mark.slow
 def test_replicas_preset_survives_an_interruption_and_resumes(tmp_path):
     """The replica sweep, cut to N = 1, 2 and one epoch on a few images: killed
     (its whole process group) once its first run is recorded, then resumed:
@@ -378,6 +380,7 @@ def test_run_config_fields_match_the_record():
     assert isinstance(cli._parse_args([]), argparse.Namespace)
 
 
+@pytest.mark.slow
 def test_small_resnet_on_idx_data(tmp_path, capsys):
     folder = tmp_path / "fashion"
     folder.mkdir()
@@ -396,6 +399,7 @@ def test_small_resnet_on_idx_data(tmp_path, capsys):
     assert record["final_acc"] == record["best_acc"] == accuracy
 
 
+@pytest.mark.slow
 def test_timing_models(tmp_path, capsys):
     argv = [
         "--models", "bert", "--combiners", "adasum", "--replicas", "2", "--batch-per-replica", "2",
@@ -556,6 +560,7 @@ def test_help_and_argument_errors_load_no_tensorflow():
         assert imported and not imported & {"tensorflow", "keras"}, argv
 
 
+@pytest.mark.slow
 def test_default_output_is_quiet_and_verbose_keeps_the_logs(tmp_path):
     """A tiny `tf-adasum eval`: progress, table and paths only, unless --verbose.
     The command sets TF_ENABLE_ONEDNN_OPTS=1 (the evaluation's kernels), which

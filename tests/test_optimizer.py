@@ -49,7 +49,7 @@ def _assert_close(model, expected, rtol=1e-5):
 COMBINERS = {"adasum": reference.adasum_tree, "sum": reference.sum_, "mean": reference.mean}
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("inner", [SGD(), Adam()], ids=["sgd-momentum", "adam"])
 def test_fit_matches_simulation(n, inner):
     model, optimizer, initial, x, y = _fit(n, inner)

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import tf_adasum
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +78,7 @@ def test_non_tensorflow_keras_backend_is_refused():
     assert "keras.backend.backend()='numpy'" in out.stderr
 
 
+@pytest.mark.slow
 def test_importing_does_not_pull_optional_dependencies():
     # TensorFlow may import some of these itself; look only at what tf_adasum adds.
     code = (
@@ -109,6 +112,7 @@ def test_cli_eval_is_the_scaling_evaluation():
     assert bad.returncode == 2 and "Received: replicas=0" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "tf_adasum.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
@@ -123,6 +127,7 @@ def test_ruff_clean():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_cli_bench_rejects_unknown_benchmarks():
     out = subprocess.run(
         [sys.executable, "-m", "tf_adasum.cli", "bench", "nope"], capture_output=True, text=True, timeout=120

@@ -245,7 +245,7 @@ def _adasum_with_partials(comms, per_rank):
     return run
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, *(pytest.param(n, marks=pytest.mark.slow) for n in (6, 8))])
 def test_direct_exchange_within_a_process_gives_the_collectives_bits(n, rng):
     sizes = [5000, 24, 300] + [7] * 12  # many tensors: many partial-sum rows
     per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]

@@ -69,14 +69,14 @@ def _simulated(combiner, mode, k, lr=1e-2):
     [
         ("adasum", "delta", 1),
         ("adasum", "gradient", 1),
-        ("adasum", "delta", 2),
-        ("adasum", "gradient", 2),
+        pytest.param("adasum", "delta", 2, marks=pytest.mark.slow),
+        pytest.param("adasum", "gradient", 2, marks=pytest.mark.slow),
         ("mean", "delta", 1),
         ("mean", "gradient", 1),
-        ("mean", "delta", 2),
+        pytest.param("mean", "delta", 2, marks=pytest.mark.slow),
         ("adacons", "delta", 1),
         ("adacons", "gradient", 1),
-        ("adacons", "delta", 2),
+        pytest.param("adacons", "delta", 2, marks=pytest.mark.slow),
     ],
 )
 def test_simulation_is_bitwise_the_real_replicas(combiner, mode, k):
@@ -187,6 +187,7 @@ def _averaging(replicas, combiner, lr=1e-2):
     return model.get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("combiner", ["keras", "mean-gradient"])
 def test_averaging_baselines_depend_only_on_the_effective_batch(combiner):
     """1 x 32, 2 x 16, 4 x 8 and 8 x 4 replicas x batch: the same mean
