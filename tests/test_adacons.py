@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
+from diagnostics_oracle import expected_statistics
 from simulation import BATCH, IN, OUT, SGD, data, simulate
 
 import tf_adasum
@@ -188,6 +189,7 @@ def test_diagnostics_show_weights_and_fallbacks():
 
     simulate(initial, x, y, n, steps, SGD(lr=0.05, momentum=0.0), combine)
     np.testing.assert_allclose(logged, expected, rtol=1e-5, atol=1e-7)
+    assert model.optimizer.diagnostics_columns() == list(expected_statistics([np.ones(1)]))  # no tree: no levels
     assert [history.history[k][-1] for k in keys] == logged[-1]
 
 
