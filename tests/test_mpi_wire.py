@@ -82,6 +82,13 @@ def test_mpi4py_path_with_mismatched_sizes_is_an_error_on_every_rank(reports):
         # row and takes the other's first, the upper one takes the other's second; nothing stale.
         want = [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]] if rank == 0 else [[4.0, 5.0, 6.0], [14.0, 15.0, 16.0]]
         assert after["value"] == want, (rank, after)
+    # Past the agreement: the receive's size is checked, and the failure is latched on that communicator.
+    short, retry = per_rank[1]["python_mismatch"]["short"], per_rank[1]["python_mismatch"]["retry"]
+    assert short["raised"] and short["type"] == "InvalidArgumentError", short
+    assert "a message of 1000 bytes where 2000 were expected" in short["message"], short
+    assert retry["raised"] and retry["type"] == "FailedPreconditionError", retry
+    assert "stays failed" in retry["message"] and "1000 bytes where 2000" in retry["message"], retry
+    assert not per_rank[0]["python_mismatch"]["short"]["raised"], per_rank[0]["python_mismatch"]
 
 
 @pytest.mark.mpi

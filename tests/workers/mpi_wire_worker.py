@@ -9,7 +9,8 @@ Every rank runs the same tasks in order and writes ``OUTDIR/wire_rank{R}.json``
   60000 on rank 1; then float32 on rank 0 and float64 on rank 1 (the same
   count); then an agreeing call on the same communicator.
 * ``python_mismatch``: the same sizes through the mpi4py path's swap, then an
-  agreeing swap.
+  agreeing swap; then, past the agreement, a message shorter than its
+  receive, and a retry on that communicator.
 * ``helpers``: `tf_adasum.mpi.check_same_variables` and `broadcast_variables`
   from rank 1, then a list that differs on rank 1, then bad arguments.
 * ``path``: rank 1 sets ``TF_ADASUM_MPI_NATIVE=0``, both build an MPI engine
@@ -29,6 +30,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 TIMEOUT_SECONDS = 120.0  # two ranks on two busy cores
+#: The MPI engine's deadline in the ``path`` task: ranks on different paths would wait it out.
+PATH_TIMEOUT_SECONDS = 30.0
 #: The sizes of the issue's reproduction (rank 0, rank 1).
 SIZES = (100000, 60000)
 SHAPES = [(1000,), (3, 7), (70000,), (5,)]
@@ -79,7 +82,17 @@ def python_mismatch(comm, rank: int, world) -> dict:
 
     sizes = _outcome(lambda: swap(SIZES[rank] // 2))
     after = _outcome(lambda: swap(4))
-    return {"sizes": sizes, "after": after}
+    # Past the agreement (as a bug would be): rank 0 sends 1000 bytes where rank 1 receives 2000. The
+    # size check fails rank 1 and marks its communicator failed, so its next step fails at once.
+    other = comm.Dup()
+    latching = mpi_communicator.MPICommunicator(other, {}, transport.Chain(), TIMEOUT_SECONDS)
+    if rank == 0:
+        short = _outcome(lambda: latching._transfer(1, np.zeros(1000, np.uint8), None, 5, "a test's send"))
+        retry = {}
+    else:
+        short = _outcome(lambda: latching._transfer(0, None, np.zeros(2000, np.uint8), 5, "a test's receive"))
+        retry = _outcome(lambda: latching._agree(0, np.zeros(4, np.uint8), "a retried step"))
+    return {"sizes": sizes, "after": after, "short": short, "retry": retry}
 
 
 def helpers(rank: int) -> dict:
@@ -113,7 +126,7 @@ def path(rank: int, world, out: str) -> dict:
         os.environ["TF_ADASUM_MPI_NATIVE"] = "0"  # this rank alone cannot use the native ops
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = mpi_engine.MPIEngine(world, timeout_seconds=TIMEOUT_SECONDS)
+        engine = mpi_engine.MPIEngine(world, timeout_seconds=PATH_TIMEOUT_SECONDS)
     values = [tf.constant(x) for x in path_inputs(rank)]
     combined = engine.combine(values, "adasum")
     comm = world.comm
