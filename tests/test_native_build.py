@@ -116,3 +116,15 @@ def test_the_built_libraries_compiled_without_warnings():
         command, output = log.split("\n", 1)
         assert "-Wall" in command, command
         assert "warning" not in output, output[-3000:]
+
+
+def test_a_folder_the_build_makes_is_not_writable_by_others_whatever_the_umask(monkeypatch, tmp_path):
+    monkeypatch.setenv("TF_ADASUM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_compile", lambda source, command, link, target: _library(target))
+    previous = os.umask(0o002)  # group-writable by default, as on many shared machines
+    try:
+        target = native_build.build(SOURCE, LIBRARY)
+    finally:
+        os.umask(previous)
+    assert target.exists() and os.stat(target.parent).st_mode & 0o777 == 0o755
+    assert native_build.build(SOURCE, LIBRARY) == target  # and it is loaded from the cache afterwards

@@ -223,8 +223,9 @@ def build(
         _check_owned(target, "file")
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    if os.lstat(folder).st_uid == os.geteuid():
-        os.chmod(folder, 0o755, follow_symlinks=False)  # not writable by others, whatever the umask
+    info = os.lstat(folder)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+        os.chmod(folder, 0o755)  # not writable by others, whatever the umask
     _check_owned(folder, "folder")
     lock = _open_no_follow(folder / "lock", os.O_RDWR | os.O_CREAT)
     try:
