@@ -45,7 +45,7 @@ def test_matches_reference(n, dtype, rng):
     _assert_matches(_combine(n, per_rank), reference.adasum_tree(per_rank))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])
 def test_mixed_dtypes_in_one_call(n, rng):
     dtypes = [np.float32, np.float64, ml_dtypes.bfloat16, np.float32, np.float16, np.float64]
     per_rank = [[rng.standard_normal(7 * (i + 1)).astype(d) for i, d in enumerate(dtypes)] for _ in range(n)]

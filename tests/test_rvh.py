@@ -297,7 +297,7 @@ class DirectWithin:
         return getattr(self.inner, name)
 
 
-@pytest.mark.parametrize("n, block", [(4, 2), (6, 3), (8, 4), (5, 2)])
+@pytest.mark.parametrize("n, block", [(4, 2), (6, 3), pytest.param(8, 4, marks=pytest.mark.slow), (5, 2)])
 def test_mixed_trees_give_the_collectives_bits(n, block, rng):
     sizes = [3000, 24, 300]
     per_rank = [[rng.standard_normal(s).astype(np.float32) for s in sizes] for _ in range(n)]
