@@ -206,7 +206,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         # A multi-replica strategy's metrics are global already; its workers
         # need not be MPI ranks (e.g. srun tasks, whose variables look like a launcher's).
-        if logs is None or self.model.distribute_strategy.num_replicas_in_sync > 1 or size() == 1:
+        model = self.model  # None when the callback is called outside `fit`
+        if logs is None or (model is not None and model.distribute_strategy.num_replicas_in_sync > 1) or size() == 1:
             return
         numeric = {k: v for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)}
         check_same_keys(list(numeric))
