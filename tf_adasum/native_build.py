@@ -3,8 +3,9 @@
 The sources are in ``tf_adasum/native/``: ``adasum_cpu_ops.cc`` (the CPU
 kernels of `tf_adasum.ops`), ``adasum_mpi_ops.cc`` (the MPI engine's ops,
 `tf_adasum.engines.mpi_native`, with their MPI plumbing in
-``adasum_mpi_wire.h``) and ``adasum_kernels.h``, the arithmetic both share. A library is compiled on first use with the C++ compiler
-(``CXX``, default ``g++``) against the installed TensorFlow, into
+``adasum_mpi_wire.h``) and ``adasum_kernels.h``, the arithmetic both share.
+A library is compiled on first use with the C++ compiler (``CXX``, default
+``g++``) against the installed TensorFlow, into
 ``~/.cache/tf_adasum/<library>/<hash>/`` (``TF_ADASUM_CACHE_DIR`` replaces
 ``~/.cache/tf_adasum``), keyed by the sources, TensorFlow's version, the
 command line, the compiler's version and what the caller adds (the MPI
