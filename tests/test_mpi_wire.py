@@ -6,6 +6,7 @@ helpers' argument checks."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -48,6 +49,8 @@ def reports(tmp_path_factory):
     for rank in range(2):
         with open(out / f"wire_rank{rank}.json", encoding="utf-8") as f:
             loaded.append(json.load(f))
+    with open(out / "build.log", "w", encoding="utf-8") as f:  # the native library's, for the last test
+        f.write((pathlib.Path(built.stdout.strip().splitlines()[-1]).parent / "build.log").read_text())
     return out, loaded
 
 
@@ -129,6 +132,14 @@ def test_broadcast_variables_and_check_same_variables_under_mpirun(reports):
             and "Received: values=<tf.Tensor" in (helpers["bad_sum"]["message"])
         ), helpers["bad_sum"]
         assert helpers["bad_root"]["type"] == "TypeError", helpers["bad_root"]
+
+
+@pytest.mark.mpi
+def test_the_native_mpi_library_compiled_without_warnings(reports):
+    out, _ = reports
+    command, output = (out / "build.log").read_text().split("\n", 1)
+    assert "-Wall" in command and " -w " not in command, command
+    assert "warning" not in output, output[-3000:]
 
 
 # -- in this process: no MPI launcher --------------------------------------------------
