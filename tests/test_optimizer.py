@@ -58,7 +58,7 @@ def test_fit_matches_simulation(n, inner):
     assert int(optimizer.iterations.numpy()) == 3
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode, k", [("delta", 2), ("gradient", 1), ("gradient", 2)])
 def test_modes_and_local_steps(n, mode, k):
     inner = SGD()
@@ -82,7 +82,7 @@ def test_hierarchical_on_one_worker_is_averaging():
     _assert_close(model, simulate(initial, x, y, 2, 3, inner, reference.mean))
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_custom_training_loop(n):
     inner = SGD()
     x, y = _data(3)

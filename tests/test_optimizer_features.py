@@ -164,7 +164,7 @@ def _poisoned_data(replica, value):
     return x, y
 
 
-@pytest.mark.parametrize("replica", [0, 1])
+@pytest.mark.parametrize("replica", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_non_finite_step_is_skipped_on_every_replica(replica):
     x, y = _poisoned_data(replica, np.nan)
     strategy = mirrored(2)[0]
@@ -206,7 +206,7 @@ def test_mixed_bfloat16(mixed_policy):
         assert np.linalg.norm(got.numpy() - want) <= 3 * TOLERANCE["bfloat16"] * np.linalg.norm(want - start)
 
 
-@pytest.mark.parametrize("replica", [0, 1])
+@pytest.mark.parametrize("replica", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_mixed_float16_skips_an_overflowing_step_everywhere(mixed_policy, replica):
     # model.compile wraps the optimizer in a LossScaleOptimizer, which looks at
     # replica 0 only; the wrapper makes every replica agree.
@@ -457,7 +457,7 @@ def test_one_replica_compiles_with_xla():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_constraints_and_slots_follow_the_right_variables(k):
     # An unused weight comes first, so the variables with gradients are a
     # shifted subset: constraints and per-variable slots must follow them.
