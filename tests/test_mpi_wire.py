@@ -69,6 +69,13 @@ def test_native_tree_with_mismatched_sizes_is_an_error_on_every_rank(reports):
         # A disagreement sends nothing, so the communicator stays usable.
         assert not after["raised"] and after["value"] is True, (rank, after)
         messages.append(sizes["message"].split("tf_adasum MPI engine:")[1])
+        # The sum and gather ops agree on their size first, too.
+        summed, gathered = report["native_mismatch"]["sum"], report["native_mismatch"]["gather"]
+        assert summed["raised"] and summed["type"] == "InvalidArgumentError", (rank, summed)
+        assert "disagree on the tensor of this sum" in summed["message"], summed
+        assert "they have 3 to 5 elements" in summed["message"], summed
+        assert gathered["raised"] and "they have 8 to 12 bytes" in gathered["message"], (rank, gathered)
+        assert report["native_mismatch"]["sum_after"]["value"] == [2.0, 2.0, 2.0], report["native_mismatch"]
     assert messages[0] == messages[1]  # the same error on every rank
 
 

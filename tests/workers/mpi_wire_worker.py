@@ -7,7 +7,8 @@ Every rank runs the same tasks in order and writes ``OUTDIR/wire_rank{R}.json``
 
 * ``native_mismatch``: the native tree with 100000 float32 on rank 0 and
   60000 on rank 1; then float32 on rank 0 and float64 on rank 1 (the same
-  count); then an agreeing call on the same communicator.
+  count); then an agreeing call on the same communicator; then the native
+  sum and gather with 3 and 5 (2 and 3) elements, and an agreeing sum.
 * ``python_mismatch``: the same sizes through the mpi4py path's swap, then an
   agreeing swap; then, past the agreement, a message shorter than its
   receive, and a retry on that communicator.
@@ -64,7 +65,18 @@ def native_mismatch(comm, rank: int) -> dict:
     dtypes = _outcome(lambda: tree(tf.ones([1000], tf.float32 if rank == 0 else tf.float64)).size)
     x = tf.range(1000, dtype=tf.float32)  # the same on both ranks: Adasum(x, x) == x
     after = _outcome(lambda: bool(np.array_equal(tree(x), x.numpy())))
-    return {"sizes": sizes, "dtypes": dtypes, "after": after}
+    # The sum and the gather ops: 3 elements on rank 0, 5 on rank 1; then the same sizes.
+    summed = _outcome(lambda: mpi_native.allreduce_sum(tf.ones([3 + 2 * rank]), comm, TIMEOUT_SECONDS).numpy().size)
+    gathered = _outcome(lambda: mpi_native.allgather(tf.ones([2 + rank]), comm, TIMEOUT_SECONDS).numpy().size)
+    sum_after = _outcome(lambda: mpi_native.allreduce_sum(tf.ones([3]), comm, TIMEOUT_SECONDS).numpy().tolist())
+    return {
+        "sizes": sizes,
+        "dtypes": dtypes,
+        "after": after,
+        "sum": summed,
+        "gather": gathered,
+        "sum_after": sum_after,
+    }
 
 
 def python_mismatch(comm, rank: int, world) -> dict:

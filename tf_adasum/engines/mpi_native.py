@@ -27,7 +27,8 @@ Every MPI wait polls against ``timeout_seconds`` (0: forever) and fails with
 data moves, the ranks of a `tree` agree on its layout (dtype, rule, every
 tensor's size, the message size): a disagreement raises
 `tf.errors.InvalidArgumentError` on every rank, naming two ranks that differ,
-and sends no data. An op that fails with messages possibly in flight (a
+and sends no data; `allreduce_sum` and `allgather` agree on their tensor's
+size and dtype the same way (one small all-reduce first). An op that fails with messages possibly in flight (a
 deadline, an MPI error, a message of the wrong size) marks its communicator
 failed: every later op on it raises `tf.errors.FailedPreconditionError` at
 once, since a late message of the failed op would fill a later one's receive.

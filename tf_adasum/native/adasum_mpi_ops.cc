@@ -38,7 +38,8 @@
 // the dtype, the rule, the tensors' sizes and the message size; see
 // AgreeOnLayout): a disagreement fails the op on every rank with
 // INVALID_ARGUMENT naming two ranks that differ, and every receive's size is
-// checked (MPI_Get_count). An op that fails once it may have left messages in
+// checked (MPI_Get_count); the sum and the gather agree on their size (one
+// small all-reduce) before their collective. An op that fails once it may have left messages in
 // flight (a deadline, an MPI error, a wrong size) cancels what it posted,
 // keeps its buffers for the life of the process and marks its communicator
 // failed (an MPI attribute): every later op on that communicator fails at
@@ -540,6 +541,34 @@ class CollectiveOp : public OpKernel {
   }
 
  protected:
+  // Before any data, the ranks agree on the size: one small all-reduce of
+  // {size, -size, dtype, -dtype} (MPI_MAX) tells every rank the smallest and
+  // largest of each, so a disagreement fails the op on every rank, with the
+  // same message and nothing sent (MPI collectives whose counts differ
+  // between ranks write past the smaller buffers). `what`: "sum" or "gather".
+  Status AgreeOnSize(OpKernelContext* context, const Comm& comm, Waiter* waiter, std::vector<Tensor>* buffers,
+                     int64_t size, int64_t dtype, const char* what, const char* unit) {
+    Tensor words;
+    TF_RETURN_IF_ERROR(context->allocate_temp(::tensorflow::DT_INT64, TensorShape({8}), &words));
+    buffers->push_back(words);
+    int64_t* mine = words.flat<int64_t>().data();
+    int64_t* all = mine + 4;
+    mine[0] = size, mine[1] = -size, mine[2] = dtype, mine[3] = -dtype;
+    std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+    const int code = MPI_Iallreduce(mine, all, 4, MPI_INT64_T, MPI_MAX, comm.comm, &requests[0]);
+    if (code != MPI_SUCCESS) return waiter->Abandon(&requests, MpiStatus(code, "MPI_Iallreduce"), true);
+    TF_RETURN_IF_ERROR(waiter->Wait(
+        &requests, nullptr, [&] { return absl::StrCat("the size agreement of a ", what, " over ", comm.size, " ranks"); },
+        /*collective=*/true));
+    if (all[0] == -all[1] && all[2] == -all[3]) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tf_adasum MPI engine: the ranks disagree on the tensor of this ", what, ", so no data was sent: they have ",
+        -all[1], " to ", all[0], " ", unit, " of dtypes ", ::tensorflow::DataTypeString(static_cast<::tensorflow::DataType>(-all[3])),
+        " to ", ::tensorflow::DataTypeString(static_cast<::tensorflow::DataType>(all[2])), " (this rank: ", size, " ",
+        unit, " of ", ::tensorflow::DataTypeString(static_cast<::tensorflow::DataType>(dtype)),
+        "). Every rank must pass a tensor of the same shape and dtype."));
+  }
+
   int64_t comm_handle_ = 0;
   double timeout_seconds_ = 0;
 };
@@ -560,10 +589,13 @@ class AllreduceOp : public CollectiveOp {
       context->set_output(0, x);
       return absl::OkStatus();
     }
+    std::vector<Tensor> buffers = {x};
+    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
+    TF_RETURN_IF_ERROR(AgreeOnSize(context, comm, &waiter, &buffers, x.NumElements(), DataTypeToEnum<T>::value,
+                                   "sum", "elements"));
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(context->forward_input_or_allocate_output({0}, 0, x.shape(), &out));
-    std::vector<Tensor> buffers = {x, *out};
-    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
+    buffers.push_back(*out);
     const T* in = x.flat<T>().data();
     T* result = out->flat<T>().data();
     const bool in_place = result == in;  // the input's buffer was forwarded
@@ -574,7 +606,8 @@ class AllreduceOp : public CollectiveOp {
       const int count = static_cast<int>(std::min<int64_t>(INT_MAX, total - done));
       std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
       const void* send = in_place ? MPI_IN_PLACE : static_cast<const void*>(in + done);
-      TFA_MPI(MPI_Iallreduce(send, result + done, count, MpiType<T>(), MPI_SUM, comm.comm, &requests[0]));
+      const int code = MPI_Iallreduce(send, result + done, count, MpiType<T>(), MPI_SUM, comm.comm, &requests[0]);
+      if (code != MPI_SUCCESS) return waiter.Abandon(&requests, MpiStatus(code, "MPI_Iallreduce"), true);
       TF_RETURN_IF_ERROR(waiter.Wait(
           &requests, nullptr,
           [&] { return absl::StrCat("a sum over the ", comm.size, " ranks of the communicator"); },
@@ -595,23 +628,29 @@ class AllgatherOp : public CollectiveOp {
     Comm comm;
     TF_RETURN_IF_ERROR(GetComm(comm_handle_, &comm));
     const Tensor& x = context->input(0);
+    const int64_t bytes = x.TotalBytes();
+    std::vector<Tensor> buffers = {x};
+    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
+    if (comm.size > 1) {
+      TF_RETURN_IF_ERROR(
+          AgreeOnSize(context, comm, &waiter, &buffers, bytes, x.dtype(), "gather", "bytes"));  // checks below agree
+    }
     TensorShape shape({comm.size});
     shape.AppendShape(x.shape());
     Tensor* out = nullptr;
     TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &out));
-    const int64_t bytes = x.TotalBytes();
     if (bytes * comm.size > INT_MAX) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tf_adasum MPI engine: TfAdasumMpiAllgather gathers small tensors (under 2 GiB in all). Received ",
           bytes, " bytes per rank on ", comm.size, " ranks."));
     }
     if (bytes == 0) return absl::OkStatus();
-    std::vector<Tensor> buffers = {x, *out};
-    Waiter waiter(comm.comm, timeout_seconds_, &buffers);
+    buffers.push_back(*out);
     std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
-    TFA_MPI(MPI_Iallgather(const_cast<char*>(x.tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
-                           const_cast<char*>(out->tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
-                           comm.comm, &requests[0]));
+    const int code = MPI_Iallgather(const_cast<char*>(x.tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
+                                    const_cast<char*>(out->tensor_data().data()), static_cast<int>(bytes), MPI_BYTE,
+                                    comm.comm, &requests[0]);
+    if (code != MPI_SUCCESS) return waiter.Abandon(&requests, MpiStatus(code, "MPI_Iallgather"), true);
     return waiter.Wait(
         &requests, nullptr, [&] { return absl::StrCat("a gather over the ", comm.size, " ranks of the communicator"); },
         /*collective=*/true);
