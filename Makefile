@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := cpu,mpi,viz,eval,docs,test
 
-.PHONY: install test test-quick lint docs eval bench clean
+.PHONY: install system-deps test test-quick lint docs eval bench clean
 
 install: $(STAMP)
 
@@ -18,6 +18,17 @@ $(STAMP): setup.py $(wildcard tf_adasum/native/*)
 	$(PY) -W ignore::RuntimeWarning:runpy -m tf_adasum.engines.mpi_native --build \
 	  || echo "warning: the native MPI ops were not built; the MPI engine will use its slower portable path"
 	touch $(STAMP)
+
+# Debian packages that some tests use: a one-machine Slurm cluster (tests/test_slurm.py).
+# Installed as root where apt-get exists (.ci/run does this); elsewhere those tests skip, saying why.
+SYSTEM_PACKAGES := slurm-wlm munge libpmix-dev
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  [ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } \
+	  || echo "warning: could not install $$missing; the Slurm tests will be skipped"; \
+	else echo "system-deps: needs root and apt-get; install $(SYSTEM_PACKAGES) yourself for the Slurm tests"; fi
 
 test: install
 	$(PY) -m pytest

@@ -39,6 +39,8 @@ EXTRAS = {
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
         "ruff>=0.6",
+        # Kubernetes' API schemas, offline: tests/test_kubernetes.py validates examples/kubernetes/.
+        "kubernetes-validate>=1.30",
     ],
 }
 

@@ -52,7 +52,7 @@ LAYERS = {
     "cli": 11,
 }
 EVAL_LAYER = 10  # tf_adasum.eval.*: the evaluation, on top (its modules may import each other)
-STANDALONE = {"launch", "_worker_bootstrap", "_cluster_network"}  # import nothing of ours
+STANDALONE = {"launch", "_worker_bootstrap", "_cluster_network", "tf_config"}  # import nothing of ours
 PACKAGE_INITS = {"", "comm", "engines", "eval"}
 
 

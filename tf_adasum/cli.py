@@ -1,4 +1,4 @@
-"""The `tf-adasum` command: `eval`, `bench`, `launch`."""
+"""The `tf-adasum` command: `eval`, `bench`, `launch`, `tf-config`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tf_adasum.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv[:1] == ["tf-config"]:  # and TF_CONFIG's from a scheduler (tf-adasum tf-config --help)
+        from tf_adasum.tf_config import main as tf_config_main
+
+        return tf_config_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tf-adasum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the benchmarks (JSON lines); each script also runs on its own")
@@ -50,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.set_defaults(run=_bench)
     sub.add_parser("eval", help="the scaling evaluation (see `tf-adasum eval --help`)")
     sub.add_parser("launch", help="start N local workers of a MultiWorkerMirroredStrategy cluster (TF_CONFIG)")
+    sub.add_parser("tf-config", help="print this process's TF_CONFIG from a scheduler's variables (Slurm, Kubernetes)")
     args = parser.parse_args(argv)
     return args.run(args)
 

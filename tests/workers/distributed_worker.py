@@ -187,7 +187,9 @@ def run_train(engine, out):
                 f"{name}_loss": history.history["loss"][-1],
             }
         )
-    world = [tf_adasum.mpi.rank(), tf_adasum.mpi.size(), tf_adasum.mpi.local_rank(), tf_adasum.mpi.local_size()]
+    world = []  # the MPI helpers' view, under MPI (srun's workers of a strategy are not MPI ranks)
+    if engine.strategy is None:
+        world = [tf_adasum.mpi.rank(), tf_adasum.mpi.size(), tf_adasum.mpi.local_rank(), tf_adasum.mpi.local_size()]
     np.savez(os.path.join(out, f"train_rank{engine.rank}.npz"), mpi_world=world, **results)
 
 
