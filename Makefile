@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := cpu,mpi,viz,eval,docs,test
+EXTRAS := cpu,mpi,viz,eval,docs,test,ray
 
 .PHONY: install system-deps test test-quick lint docs eval bench clean
 

