@@ -3,13 +3,15 @@ of 2 CPU workers (tests/workers/ray_driver.py, a process of its own): the
 combine and the training equal `tf_adasum.reference`; a worker killed in the
 middle of an epoch is restarted by `FailureConfig(max_failures=1)` and the
 job resumes from `tf_adasum.BackupAndRestore`, ending bitwise where an
-uninterrupted run ends. Skipped, with the reason, where Ray is missing."""
+uninterrupted run ends; without restarts the run fails with Ray's error.
+Skipped, with the reason, where Ray is missing."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 DRIVER = pathlib.Path(__file__).resolve().parent / "workers" / "ray_driver.py"
 
 
-def _drive(scenario, out):
+def _drive(scenario, out, error=None):
+    """Runs the driver; its run's error must be `error` (a substring; None: no error)."""
     result = subprocess.run(
         [sys.executable, str(DRIVER), scenario, str(out)],
         env=worker_env(RAY_DEDUP_LOGS="0"),
@@ -34,7 +37,9 @@ def _drive(scenario, out):
     output = result.stdout[-6000:] + result.stderr[-6000:]
     assert result.returncode == 0, output
     lines = [line for line in result.stdout.splitlines() if line.startswith('{"error"')]
-    assert lines and json.loads(lines[-1]) == {"error": None}, output
+    assert lines, output
+    got = json.loads(lines[-1])["error"]
+    assert (got is None) if error is None else (got is not None and error in got), output
     return output
 
 
@@ -59,3 +64,10 @@ def test_a_killed_worker_is_restarted_and_resumes_bitwise_from_the_backup(tmp_pa
             for f in result.files:
                 assert result[f].tobytes() == reference_state[f].tobytes(), (name, rank, f)
     assert not os.path.exists(tmp_path / "backup")  # deleted once training completed
+
+
+def test_without_restarts_a_killed_worker_fails_the_run_with_a_clear_error(tmp_path):
+    start = time.monotonic()
+    _drive("fail", tmp_path, error="WorkerGroupError: Training failed due to worker errors:\n[Rank 1 Error")
+    assert time.monotonic() - start < 300  # the error, not the 600 s limit of the driver
+    assert not (tmp_path / "final_rank0.npz").exists() and not (tmp_path / "final_rank1.npz").exists()

@@ -10,7 +10,9 @@ MultiWorkerMirroredStrategy worker with the TF_CONFIG Ray gives it.
   then the same run with `tf_adasum.BackupAndRestore` in which worker 1 dies in
   the middle of epoch 2; `FailureConfig(max_failures=1)` restarts both
   workers, which resume from the backup of epoch 1
-  (``attempt{A}_rank{R}.json``, ``reference_rank{R}.npz``, ``final_rank{R}.npz``).
+  (``attempt{A}_rank{R}.json``, ``reference_rank{R}.npz``, ``final_rank{R}.npz``);
+* ``fail``: the same with no restart allowed (``max_failures=0``): the run
+  must fail, naming the dead worker.
 
 Prints one JSON line: the run's error, if any.
 """
@@ -70,7 +72,7 @@ def main():
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         trainer = TensorflowTrainer(
-            {"train": train_loop, "restart": restart_loop}[scenario],
+            {"train": train_loop, "restart": restart_loop, "fail": restart_loop}[scenario],
             train_loop_config={"out": out},
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(
@@ -79,8 +81,11 @@ def main():
                 failure_config=FailureConfig(max_failures=1 if scenario == "restart" else 0),
             ),
         )
-        result = trainer.fit()
-        print(json.dumps({"error": None if result.error is None else str(result.error)}), flush=True)
+        try:
+            error = trainer.fit().error
+        except Exception as raised:  # noqa: BLE001 - Ray Train raises TrainingFailedError: reported to the test
+            error = f"{type(raised).__name__}: {raised}"
+        print(json.dumps({"error": None if error is None else str(error)}), flush=True)
     finally:
         ray.shutdown()
 
