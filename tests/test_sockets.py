@@ -409,11 +409,14 @@ def test_closing_the_mesh_closes_its_listener():
         first.exchange(1, 1, None, 8, "a test")
 
 
-def test_a_failed_mesh_closes_its_listener():
+def test_a_failed_mesh_stops_listening():
     first, second = _meshes(2)
     first.link(1, None)._fail(tf.errors.UnavailableError(None, None, "failed in the test"))
     first._door.thread.join(10)
     assert not first._door.thread.is_alive()
+    with pytest.raises(OSError):
+        socket.create_connection(first.addresses[0], timeout=5).recv(1)  # refused, or closed at once
+    assert first._listener.socket.getsockname()[1] == first.addresses[0][1]  # its address can still be read
 
 
 def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):

@@ -12,7 +12,9 @@
   a peer's connection is never queued behind theirs. A hello whose magic or
   token is wrong (compared in constant time) is closed without an answer; a
   right one is handed to the mesh, which answers `ACCEPTED` or closes it.
-  `Door.close` stops the thread and closes the listener.
+  `Door.close` stops the thread and closes the listener; `Door.stop` stops
+  the thread and the listening (the port refuses connections) but keeps the
+  socket open, so its address can still be read.
 """
 
 from __future__ import annotations
@@ -99,17 +101,37 @@ class Door:
         self._admit = admit
         self._expected = _HELLO.pack(_MAGIC, 0, listener.token)
         self._closed = threading.Event()
+        self._release = False  # close the listener when the thread ends (else only stop listening)
         self._wake_read, self._wake_write = socket.socketpair()
         self.thread = threading.Thread(target=self._serve, name="tf_adasum listener", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
-        """Stops the thread; it closes the listener and the waiting connections."""
+        """Stops the thread (it closes the waiting connections) and closes the listener."""
+        self._release = True
+        self.stop()
+        if self.thread is not threading.current_thread():
+            self.thread.join(10)
+        self._listener.close()  # (again, if the thread did: closing twice is harmless)
+
+    def stop(self) -> None:
+        """Stops the thread; it stops the listening (new connections are
+        refused; where the system cannot, it closes the listener) and closes
+        the waiting connections."""
         self._closed.set()
         try:
             self._wake_write.send(b"\0")
         except OSError:
             pass
+
+    def _stop_listening(self) -> None:
+        if not self._release:
+            try:
+                self._listener.socket.shutdown(socket.SHUT_RDWR)  # Linux: no longer listening, still open
+                return
+            except OSError:
+                pass
+        self._listener.close()
 
     def _valid(self, data: bytes) -> int | None:
         """The index a hello gives, or None when its magic or token is wrong."""
@@ -152,7 +174,7 @@ class Door:
             for sock in list(pending):
                 drop(sock)
             selector.close()
-            self._listener.close()
+            self._stop_listening()
             self._wake_read.close()
             self._wake_write.close()
 

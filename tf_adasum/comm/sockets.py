@@ -21,20 +21,20 @@ the memory the result lives in: one copy into the kernel and one out.
 Failures never hang, and a link that failed once stays failed (every later
 use raises) and fails the mesh's other links (the failed step left messages
 unmatched there too; the process must start over), and the mesh's listener
-closes: a wait past the timeout raises `DeadlineExceededError`; a connection
-that closes or resets (a peer that died or left) fails every wait on it with
-`UnavailableError`; TCP keepalive (idle connections) and ``TCP_USER_TIMEOUT``
-(unacknowledged data) notice a peer host that vanished without closing,
-within about a minute; a message of another size than the one expected
-(processes running different programs) fails the link, so its sender's next
-wait fails too. A message that comes before its receive is posted is
-buffered only up to the largest message the mesh expects (`Mesh.allow`, which
-the communicators call with their steps' sizes: the agreed layout's); a
-larger one waits, unread, for its receive, and fails the link when none
-comes within the timeout, so a 64-bit length never decides an allocation.
-Raised inside a ``tf.numpy_function``, these reach the caller as
-TensorFlow's `UnknownError` whose message carries the class name and this
-module's "tf_adasum socket transport:" text.
+stops listening (`Mesh.close` also closes it): a wait past the timeout raises
+`DeadlineExceededError`; a connection that closes or resets (a peer that
+died or left) fails every wait on it with `UnavailableError`; TCP keepalive
+(idle connections) and ``TCP_USER_TIMEOUT`` (unacknowledged data) notice a
+peer host that vanished without closing, within about a minute; a message of
+another size than the one expected (processes running different programs)
+fails the link, so its sender's next wait fails too. A message that comes
+before its receive is posted is buffered only up to the largest message the
+mesh expects (`Mesh.allow`, which the communicators call with their steps'
+sizes: the agreed layout's); a larger one waits, unread, for its receive, and
+fails the link when none comes within the timeout, so a 64-bit length never
+decides an allocation. Raised inside a ``tf.numpy_function``, these reach the
+caller as TensorFlow's `UnknownError` whose message carries the class name
+and this module's "tf_adasum socket transport:" text.
 
 (About 440 lines: the link's reader, its sender and the failure latch share
 one state and are kept together; the listener lives in
@@ -323,20 +323,21 @@ class Mesh:
     def _fail_all(self, failure: tf.errors.OpError) -> None:
         """One failed link fails them all: the failed step left messages
         unmatched on the other links too, and a later step would take them.
-        The listener closes: this mesh takes no new connection."""
+        The listener stops listening: this mesh takes no new connection."""
         with self._state:
             if self._failure is None:
                 self._failure = failure
             links = list(self._links.values())
             self._state.notify_all()
-        self._door.close()
+        self._door.stop()
         for link in links:
             link._fail(failure)
 
     def close(self) -> None:
-        """Shuts the transport down: the listener closes, and every link fails
-        (a later exchange raises `UnavailableError`)."""
+        """Shuts the transport down: every link fails (a later exchange raises
+        `UnavailableError`) and the listener is closed."""
         self._fail_all(_error(tf.errors.UnavailableError, "the transport was closed."))
+        self._door.close()
 
     def allow(self, nbytes: int) -> None:
         """Lets a message of up to `nbytes` bytes be buffered when it comes
