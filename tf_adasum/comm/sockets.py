@@ -36,7 +36,7 @@ decides an allocation. Raised inside a ``tf.numpy_function``, these reach the
 caller as TensorFlow's `UnknownError` whose message carries the class name
 and this module's "tf_adasum socket transport:" text.
 
-(About 440 lines: the link's reader, its sender and the failure latch share
+(About 460 lines: the link's reader, its sender and the failure latch share
 one state and are kept together; the listener lives in
 `tf_adasum.comm.socket_listener`.)
 """
