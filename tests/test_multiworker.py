@@ -108,6 +108,7 @@ def test_an_unusable_socket_port_makes_every_worker_fall_back_together(tmp_path)
         tf_port = int(json.loads(result["tf_config"].item())["cluster"]["worker"][1].rsplit(":", 1)[1])
         assert f"cannot listen: worker process 1 on localhost:{tf_port + 1000}" in warning, warning
         assert not any(name.startswith("tf_adasum reader") for name in result["transport_threads"]), r
+        assert list(result["unclosed_sockets"]) == [], r  # the listeners no mesh took were closed, not dropped
 
 
 def test_mismatched_variables_raise_on_every_worker(tmp_path):

@@ -6,6 +6,7 @@ against the reference, runs across real worker processes in
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -417,6 +418,32 @@ def test_a_failed_mesh_stops_listening():
     with pytest.raises(OSError):
         socket.create_connection(first.addresses[0], timeout=5).recv(1)  # refused, or closed at once
     assert first._listener.socket.getsockname()[1] == first.addresses[0][1]  # its address can still be read
+
+
+def test_links_the_workers_cannot_agree_on_close_the_mesh(monkeypatch):
+    """A worker could not reach a peer: every worker falls back, and this one
+    closes its mesh (listener, links, threads) instead of only dropping it."""
+    listeners = [sockets.Listener("127.0.0.1") for _ in range(2)]
+    unreachable = listeners[1].port
+    listeners[1].socket.close()
+    addresses = [("127.0.0.1", listeners[0].port), ("127.0.0.1", unreachable)]
+    mesh = sockets.Mesh(listeners[0], 0, addresses, [listener.token for listener in listeners], 10)
+    key = ("a test's mesh", 10.0)
+    monkeypatch.setitem(tf_engine._MESHES, key, mesh)
+    monkeypatch.setattr(tf_engine, "sum_over_workers", lambda strategy, values, timeout: [1.0])  # one failed
+    engine = types.SimpleNamespace(
+        options=types.SimpleNamespace(timeout_seconds=10.0),
+        strategy=None,
+        _mesh_key=lambda: key,
+        _warn_fallback=lambda problem: None,
+    )
+    assert tf_engine.TFEngine._links_agreed(engine, mesh, [1], "all") is False
+    assert tf_engine._MESHES[key] is None
+    mesh._door.thread.join(10)
+    assert not mesh._door.thread.is_alive()
+    assert mesh._listener.socket.fileno() == -1  # closed, not only stopped
+    with pytest.raises(OSError):
+        socket.create_connection(addresses[0], timeout=5).recv(1)
 
 
 def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):

@@ -138,6 +138,8 @@ def run_collective(engine, out):
         warnings.simplefilter("always")
         combined = engine.combine(tensors)
     fallbacks = [str(w.message) for w in caught if "socket transport" in str(w.message)]
+    # Sockets dropped during the combine without being closed (e.g. a listener no mesh took).
+    unclosed = [str(w.message) for w in caught if w.category is ResourceWarning and "socket" in str(w.message)]
     meshes = [mesh for mesh in tf_engine._MESHES.values() if mesh is not None]
     listener = [str(a) for a in meshes[0]._listener.socket.getsockname()[:2]] if meshes else []
     tf_port = _tf_port(engine.rank) if engine.strategy is not None and "TF_CONFIG" in os.environ else 0
@@ -154,6 +156,7 @@ def run_collective(engine, out):
         transport_threads=np.array(transport_threads, dtype=str),
         fallback_warnings=np.array(fallbacks, dtype=str),
         listener=np.array(listener, dtype=str),
+        unclosed_sockets=np.array(unclosed, dtype=str),
         tf_port=tf_port,
         tf_config=os.environ.get("TF_CONFIG", ""),
         **also,

@@ -21,7 +21,9 @@ the memory the result lives in: one copy into the kernel and one out.
 Failures never hang, and a link that failed once stays failed (every later
 use raises) and fails the mesh's other links (the failed step left messages
 unmatched there too; the process must start over), and the mesh's listener
-stops listening (`Mesh.close` also closes it): a wait past the timeout raises
+stops listening (`Mesh.close` closes it, which the engine does only when the
+workers fall back to TF collective ops; a mesh in use lives until the process
+exits): a wait past the timeout raises
 `DeadlineExceededError`; a connection that closes or resets (a peer that
 died or left) fails every wait on it with `UnavailableError`; TCP keepalive
 (idle connections) and ``TCP_USER_TIMEOUT`` (unacknowledged data) notice a

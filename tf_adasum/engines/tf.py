@@ -247,7 +247,9 @@ class TFEngine(Engine):
         combine over sockets), its ports exchanged with `sum_over_workers`;
         None once the workers fell back to TF collective ops together: here
         when a worker could not listen on its port, in `_links_agreed` when
-        one could not reach a peer's."""
+        one could not reach a peer's (either way this worker's listener is
+        closed). A mesh in use is never closed: it lives until the process
+        exits, or stops listening when it fails."""
         timeout = float(self.options.timeout_seconds or 0)
         key = self._mesh_key()
         with _MESHES_LOCK:
@@ -266,6 +268,8 @@ class TFEngine(Engine):
                 unable = [w for w in range(count) if totals[2 * w] == 0]
                 if unable:
                     _MESHES[key] = None
+                    if listener is not None:  # no mesh will take its connections: refuse them
+                        listener.close()
 
                     def wanted(w):
                         host, port = specified[w]
@@ -297,6 +301,7 @@ class TFEngine(Engine):
         )
         (failed,) = sum_over_workers(self.strategy, [float(bool(failures))], timeout)
         if failed:
+            mesh.close()  # its listener, links and their threads: no worker uses the mesh again
             with _MESHES_LOCK:
                 _MESHES[self._mesh_key()] = None
             self._warn_fallback("; ".join(failures) or f"{int(failed)} worker process(es) could not reach a peer")
