@@ -3,6 +3,7 @@ load or follow, its bounded waits, and its flags. No compile here: the cache
 entries are made by hand where the build would look (or already exist)."""
 
 import os
+import time
 
 import pytest
 
@@ -97,6 +98,38 @@ def test_a_compile_past_its_time_is_a_clear_error(monkeypatch, tmp_path):
     assert not target.exists() and "stopped after" in (target.parent / "build.log").read_text()
 
 
+def test_a_compile_past_its_time_ends_every_process_it_started(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_build, "COMPILE_TIMEOUT_SECONDS", 1.0)
+    target, pid_file = tmp_path / "lib" / "x.so", tmp_path / "grandchild.pid"
+    target.parent.mkdir()
+    script = f"sleep 60 & echo $! > {pid_file}; wait"  # as cc1plus under the g++ driver
+    start = time.monotonic()
+    with pytest.raises(BuildError, match="stopped after 1 s"):
+        native_build._compile("x.cc", ["sh", "-c", script], [], target)
+    assert time.monotonic() - start < 30  # not held until the grandchild ends (it holds the pipes)
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered at once; its parent may take a moment to reap it
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{grandchild}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the compile's process {grandchild} outlived its timeout")
+
+
+@pytest.mark.parametrize("level", ["root", "library folder"])
+def test_a_cache_folder_above_the_library_writable_by_others_is_refused(cached, level):
+    _library(cached)
+    folder = {"root": native_build.cache_root(), "library folder": cached.parent.parent}[level]
+    os.chmod(folder, 0o775)
+    with pytest.raises(BuildError, match=r"is writable by others \(mode drwxrwxr-x\)"):
+        native_build.build(SOURCE, LIBRARY)
+
+
 def test_sources_compile_with_warnings_on_and_hardening_where_available():
     command, link, _ = native_build._plan(SOURCE, LIBRARY, ("-I/some/mpi/include",), (), "")
     assert "-Wall" in command and "-w" not in command
@@ -126,5 +159,7 @@ def test_a_folder_the_build_makes_is_not_writable_by_others_whatever_the_umask(m
         target = native_build.build(SOURCE, LIBRARY)
     finally:
         os.umask(previous)
-    assert target.exists() and os.stat(target.parent).st_mode & 0o777 == 0o755
+    assert target.exists()
+    for folder in (target.parent, target.parent.parent):  # every folder the build made
+        assert os.stat(folder).st_mode & 0o777 == 0o755, folder
     assert native_build.build(SOURCE, LIBRARY) == target  # and it is loaded from the cache afterwards

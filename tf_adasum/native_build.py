@@ -31,6 +31,7 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -151,6 +152,31 @@ def _check_owned(path: Path, what: str) -> None:
         )
 
 
+def _cache_folders(folder: Path) -> list[Path]:
+    """The folders from the cache root down to `folder` (a library's own)."""
+    root = cache_root()
+    return [root, *reversed([p for p in folder.parents if p != root and root in p.parents]), folder]
+
+
+def _check_folders(folder: Path) -> None:
+    """`_check_owned` of every folder from the cache root down to `folder`: one
+    that others could write would let them swap the folders below it."""
+    for path in _cache_folders(folder):
+        _check_owned(path, "folder")
+
+
+def _make_folders(folder: Path) -> None:
+    """Creates the cache folders down to `folder` that are missing, writable by
+    this user only whatever the umask; then `_check_folders`."""
+    for path in _cache_folders(folder):
+        try:
+            os.mkdir(path, 0o755)
+            os.chmod(path, 0o755)  # the umask may have taken bits away, never added: set exactly
+        except FileExistsError:
+            pass
+    _check_folders(folder)
+
+
 def _open_no_follow(path: Path, flags: int) -> int:
     """`os.open` that refuses a symbolic link at `path` (BuildError)."""
     try:
@@ -220,14 +246,10 @@ def build(
     command, link, target = _plan(source, library, compile_flags, link_flags, identity)
     folder = target.parent
     if os.path.lexists(target):
-        _check_owned(folder, "folder")
+        _check_folders(folder)
         _check_owned(target, "file")
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    info = os.lstat(folder)
-    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
-        os.chmod(folder, 0o755)  # not writable by others, whatever the umask
-    _check_owned(folder, "folder")
+    _make_folders(folder)
     lock = _open_no_follow(folder / "lock", os.O_RDWR | os.O_CREAT)
     try:
         _locked(lock, folder / "lock", LOCK_TIMEOUT_SECONDS)
@@ -245,12 +267,18 @@ def _compile(source: str, command: list[str], link: list[str], target: Path) -> 
     handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(handle)
     line = " ".join(command + ["-o", partial, *link])
+    # A session of its own, so that a compile past its time ends with every
+    # process it started (cc1plus, ld), not only the compiler driver.
+    process = subprocess.Popen(
+        [*command, "-o", partial, *link], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        result = subprocess.run(
-            [*command, "-o", partial, *link], capture_output=True, text=True, timeout=COMPILE_TIMEOUT_SECONDS
-        )
-        stderr, failed = result.stderr, bool(result.returncode)
+        stderr = process.communicate(timeout=COMPILE_TIMEOUT_SECONDS)[1]
+        failed = bool(process.returncode)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         stderr, failed = f"stopped after {COMPILE_TIMEOUT_SECONDS:g} s\n", True
     # Written beside and renamed over build.log: a link there is replaced, never followed.
     handle, log = tempfile.mkstemp(dir=folder, suffix=".log.tmp")
