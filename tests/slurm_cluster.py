@@ -109,12 +109,12 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=30 State=UP OverSubscri
             f.write(config)
 
     def _start(self, *command: str) -> None:
-        log = open(self._path(os.path.basename(command[0]) + ".out"), "wb")
-        self._daemons.append(
-            subprocess.Popen(
-                command, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        with open(self._path(os.path.basename(command[0]) + ".out"), "wb") as log:  # the daemon keeps its copy
+            self._daemons.append(
+                subprocess.Popen(
+                    command, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+                )
             )
-        )
 
     def start(self) -> SlurmCluster:
         self._write_config()
@@ -187,10 +187,13 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=30 State=UP OverSubscri
         state = re.search(r"JobState=(\w+)", shown)
         if state is None or state.group(1) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
             return None
-        code, signal_number = map(int, re.search(r" ExitCode=(\d+):(\d+)", shown).groups())
+        exit_code = re.search(r" ExitCode=(\d+):(\d+)", shown)
+        if exit_code is None:
+            raise RuntimeError(f"scontrol shows job {job} {state.group(1)} without an ExitCode:\n{shown}")
+        code, signal_number = map(int, exit_code.groups())
         if state.group(1) == "COMPLETED":
             return code
-        return code or 128 + signal_number or 1
+        return code or 128 + signal_number  # FAILED, CANCELLED, TIMEOUT, ...: never 0
 
     def stop(self) -> None:
         """Cancels every job, ends the daemons and removes the folder."""

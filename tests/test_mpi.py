@@ -173,3 +173,8 @@ def test_metric_average_callback_is_a_no_op_on_one_process():
 @pytest.mark.mpi
 def test_scaling_evaluation_runs_on_this_engine(tmp_path):
     check_evaluation_engine("mpi", ["adasum", "adacons"], tmp_path)
+
+
+def test_check_same_keys_names_the_entry_that_is_not_a_string():
+    with pytest.raises(TypeError, match=r"`names\[1\]` must be a string. Received: names\[1\]=3"):
+        tf_adasum.mpi.check_same_keys(["loss", 3])

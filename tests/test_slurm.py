@@ -1,5 +1,7 @@
-"""The Slurm templates of examples/slurm/, submitted with `sbatch --wait` to a
-real one-machine Slurm cluster (tests/slurm_cluster.py): each job trains and
+"""The Slurm templates of examples/slurm/, submitted with `sbatch` to a real
+one-machine Slurm cluster (tests/slurm_cluster.py, which waits for each job's
+end by polling `scontrol` every 0.5 s, where `sbatch --wait` would poll at up to
+32 s intervals): each job trains and
 combines as `tf_adasum.reference` says; a failing job ends with its error
 within the job's time limit. Skipped, with the reason, where Slurm is missing."""
 

@@ -179,8 +179,8 @@ def check_same_keys(names: Sequence[str], what: str = "metric names") -> None:
     """Raises ValueError on every rank unless all ranks pass the same `names`."""
     if not isinstance(names, (Sequence, Mapping)) or isinstance(names, (str, bytes)):
         raise TypeError(f"`names` must be a list of strings. Received: names={_shown(names)}")
-    for name in names:
-        _check_text(name, "names[...]")
+    for index, name in enumerate(names):
+        _check_text(name, f"names[{index}]")
     _check_text(what, "what")
     world = _world()
     if world is not None:

@@ -123,7 +123,9 @@ def from_slurm(
     _check_port("port_base", port_base, max(counts))
     workers = [f"{node}:{port_base + j}" for node, count in zip(nodes, counts) for j in range(count)]
     if rank >= len(workers):
-        raise SchedulerError(f"SLURM_PROCID is not one of the step's {len(workers)} tasks. Received: {rank}")
+        raise SchedulerError(
+            f"SLURM_PROCID is not one of the step's {len(workers)} tasks. Received: SLURM_PROCID={rank}"
+        )
     return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
 
 
@@ -131,7 +133,7 @@ def _check_port(name: str, port, tasks: int = 1) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise SchedulerError(f"`{name}` must be an int in [1, 65535]. Received: {name}={port!r}")
     if port + tasks > 65536:
-        raise SchedulerError(f"`{name}` leaves no port for {tasks} tasks a node. Received: {port}")
+        raise SchedulerError(f"`{name}` leaves no port for {tasks} tasks a node. Received: {name}={port}")
 
 
 #: A DNS label (RFC 1123), as Kubernetes requires of Job and Service names.
@@ -154,7 +156,9 @@ def from_kubernetes(
     index_name, index = _variable(env, "JOB_COMPLETION_INDEX")
     index = _integer(index_name, index)
     if index >= workers:
-        raise SchedulerError(f"JOB_COMPLETION_INDEX must be below `workers` ({workers}). Received: {index}")
+        raise SchedulerError(
+            f"JOB_COMPLETION_INDEX must be below `workers` ({workers}). Received: JOB_COMPLETION_INDEX={index}"
+        )
     hosts = [f"{job}-{i}.{service}:{port}" for i in range(workers)]
     return {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
 
