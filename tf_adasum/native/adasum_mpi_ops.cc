@@ -635,15 +635,15 @@ class AllgatherOp : public CollectiveOp {
       TF_RETURN_IF_ERROR(
           AgreeOnSize(context, comm, &waiter, &buffers, bytes, x.dtype(), "gather", "bytes"));  // checks below agree
     }
-    TensorShape shape({comm.size});
-    shape.AppendShape(x.shape());
-    Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &out));
-    if (bytes * comm.size > INT_MAX) {
+    if (bytes * comm.size > INT_MAX) {  // refused before the output is allocated (every rank: the size agreed)
       return absl::InvalidArgumentError(absl::StrCat(
           "tf_adasum MPI engine: TfAdasumMpiAllgather gathers small tensors (under 2 GiB in all). Received ",
           bytes, " bytes per rank on ", comm.size, " ranks."));
     }
+    TensorShape shape({comm.size});
+    shape.AppendShape(x.shape());
+    Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(context->allocate_output(0, shape, &out));
     if (bytes == 0) return absl::OkStatus();
     buffers.push_back(*out);
     std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
