@@ -7,6 +7,7 @@ helpers' argument checks."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -86,7 +87,8 @@ def test_mpi4py_path_with_mismatched_sizes_is_an_error_on_every_rank(reports):
         sizes, after = report["python_mismatch"]["sizes"], report["python_mismatch"]["after"]
         assert sizes["raised"] and "InvalidArgumentError" in sizes["type"] + sizes["message"], (rank, sizes)
         message = sizes["message"]
-        assert "rank 0 has 200000 bytes of float32" in message and "rank 1 has 120000 bytes" in message, message
+        assert "rank 0 has 100000 float32 elements" in message and "rank 1 has 60000 float32" in message, message
+        assert "disagree on the tensors of this tree call, so no data was sent" in message, message
         assert not after["raised"], (rank, after)
         # The agreeing swap after it (rows [0..3], [4..7] plus 10 * rank): the lower rank keeps its first
         # row and takes the other's first, the upper one takes the other's second; nothing stale.
@@ -99,6 +101,37 @@ def test_mpi4py_path_with_mismatched_sizes_is_an_error_on_every_rank(reports):
     assert retry["raised"] and retry["type"] == "FailedPreconditionError", retry
     assert "stays failed" in retry["message"] and "1000 bytes where 2000" in retry["message"], retry
     assert not per_rank[0]["python_mismatch"]["short"]["raised"], per_rank[0]["python_mismatch"]
+
+
+@pytest.mark.mpi
+def test_mpi4py_path_where_only_the_last_of_three_ranks_differs_fails_every_rank_at_once(tmp_path):
+    """One agreement over the whole communicator, not one per pair: ranks 0
+    and 1 (whose pair agrees) raise as soon as rank 2 does, with its message."""
+    try:
+        command = transport.mpirun_command(3)
+    except FileNotFoundError as error:
+        pytest.fail(str(error))
+    result = subprocess.run(
+        command + [sys.executable, WORKER, str(tmp_path), "last_differs"],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    messages = set()
+    for rank in range(3):
+        with open(tmp_path / f"last_rank{rank}.json", encoding="utf-8") as f:
+            report = json.load(f)
+        sizes, after = report["sizes"], report["after"]
+        assert sizes["raised"] and "InvalidArgumentError" in sizes["type"] + sizes["message"], (rank, sizes)
+        assert sizes["seconds"] < worker.LAST_TIMEOUT_SECONDS / 3, (rank, sizes)  # at once, not at the deadline
+        found = re.search(r"tf_adasum MPI engine: the ranks disagree .*? in the same order\.", sizes["message"])
+        assert found, sizes["message"]
+        assert "rank 0 has 1024 float32 elements" in found[0] and "; rank 2 has 512 float32 elements" in found[0]
+        messages.add(found[0])
+        assert not after["raised"] and after["value"] is True, (rank, after)  # the communicator stays usable
+    assert len(messages) == 1, messages  # the same error on every rank
 
 
 @pytest.mark.mpi

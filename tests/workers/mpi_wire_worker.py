@@ -1,6 +1,7 @@
 """One rank of `tests/test_mpi_wire.py`: what the MPI wire must survive.
 
     mpirun -np 2 python mpi_wire_worker.py OUTDIR
+    mpirun -np 3 python mpi_wire_worker.py OUTDIR last_differs
 
 Every rank runs the same tasks in order and writes ``OUTDIR/wire_rank{R}.json``
 (plus ``OUTDIR/path_rank{R}.npz``); the test holds the oracle:
@@ -17,6 +18,11 @@ Every rank runs the same tasks in order and writes ``OUTDIR/wire_rank{R}.json``
 * ``path``: rank 1 sets ``TF_ADASUM_MPI_NATIVE=0``, both build an MPI engine
   (its warnings recorded) and combine tensors with it and, for comparison,
   with the mpi4py path directly.
+
+With ``last_differs`` (three ranks) it runs only that task and writes
+``OUTDIR/last_rank{R}.json``: the mpi4py path's whole tree (`combine_with_communicators`)
+where only the last rank's tensor has another size, then an agreeing tree on the same
+communicator.
 """
 
 import json
@@ -35,6 +41,10 @@ TIMEOUT_SECONDS = 120.0  # two ranks on two busy cores
 PATH_TIMEOUT_SECONDS = 30.0
 #: The sizes of the issue's reproduction (rank 0, rank 1).
 SIZES = (100000, 60000)
+#: The deadline of the ``last_differs`` task: a rank left waiting would wait this long.
+LAST_TIMEOUT_SECONDS = 60.0
+#: The tensor sizes of the ``last_differs`` task: every rank's, and the last rank's.
+LAST_SIZES = (1024, 512)  # no padding on 3 ranks: the tree buffers are these sizes
 SHAPES = [(1000,), (3, 7), (70000,), (5,)]
 
 
@@ -84,11 +94,10 @@ def python_mismatch(comm, rank: int, world) -> dict:
     from tf_adasum.comm import mpi as transport
     from tf_adasum.comm import mpi_communicator
 
-    communicator = mpi_communicator.MPICommunicator(
-        comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
-    )
-
     def swap(length):
+        communicator = mpi_communicator.MPICommunicator(  # a fresh tree call: its first step agrees
+            comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
+        )
         rows = tf.reshape(tf.range(2 * length, dtype=tf.float32) + 10 * rank, [2, length])
         return [t.numpy().tolist()[:3] for t in communicator.swap_halves(rows, 1 - rank)]
 
@@ -103,7 +112,7 @@ def python_mismatch(comm, rank: int, world) -> dict:
         retry = {}
     else:
         short = _outcome(lambda: latching._transfer(0, None, np.zeros(2000, np.uint8), 5, "a test's receive"))
-        retry = _outcome(lambda: latching._agree(0, np.zeros(4, np.uint8), "a retried step"))
+        retry = _outcome(lambda: latching._agree(np.zeros(4, np.uint8)))
     return {"sizes": sizes, "after": after, "short": short, "retry": retry}
 
 
@@ -155,6 +164,28 @@ def path(rank: int, world, out: str) -> dict:
     }
 
 
+def last_differs(rank: int, world) -> dict:
+    from tf_adasum import combiners, rvh
+    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_communicator
+    from tf_adasum.engines.base import combine_with_communicators
+
+    comm = world.comm.Dup()
+
+    def tree(x):
+        communicator = mpi_communicator.MPICommunicator(
+            comm, world.sum_communicators(comm, rvh.groups(comm.Get_size())), transport.Chain(), LAST_TIMEOUT_SECONDS
+        )
+        combined, _ = combine_with_communicators([(x,)], [communicator], combiners.get("adasum"))
+        return np.asarray(combined[0][0])
+
+    last = rank == world.size - 1
+    sizes = _outcome(lambda: tree(tf.ones([LAST_SIZES[last]], tf.float32)).size)
+    x = tf.range(LAST_SIZES[0], dtype=tf.float32)  # the same on every rank: Adasum(x, x, x) == x
+    after = _outcome(lambda: bool(np.array_equal(tree(x), x.numpy())))
+    return {"sizes": sizes, "after": after}
+
+
 def main(argv) -> int:
     out = argv[0]
     tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -162,6 +193,13 @@ def main(argv) -> int:
     from mpi4py import MPI
 
     from tf_adasum.engines import mpi_native, select
+
+    if argv[1:] == ["last_differs"]:
+        world = select.mpi_world()
+        report = last_differs(world.rank, world)
+        with open(os.path.join(out, f"last_rank{world.rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f, default=str)
+        return 0
 
     if mpi_native.load() is None:
         raise SystemExit("the native MPI ops are unavailable (see the warning)")

@@ -5,12 +5,17 @@ swap, a gather, a level's float64 partial sums, a fold's send or receive) is
 one ``tf.numpy_function`` on the rank's `tf_adasum.comm.mpi.Chain` (the
 portable path of `tf_adasum.engines.mpi`; the native op is the fast one).
 
-Sizes are agreed before data moves: before a step's first data message, the
-two ranks of a pair swap a small layout record (bytes, dtype, message size)
-and both raise `tf.errors.InvalidArgumentError` naming both layouts when they
-differ (nothing was sent, so the communicator stays usable); every receive's
-size is then checked as well (``MPI_Get_count``). A failure with messages in
-flight marks the communicator failed (see `tf_adasum.comm.mpi`).
+Sizes are agreed before data moves, once per tree call, as the native op
+does: the first step of each call (on every rank: the fold's send or
+receive, or the first swap) first gathers every rank's layout record of the
+tree's buffer (element count, dtype, message size) in one small allgather
+over the whole communicator; when they differ, every rank raises the same
+`tf.errors.InvalidArgumentError`, naming the lowest rank and the lowest rank
+that differs from it (nothing was sent, so the communicator stays usable).
+The later steps' sizes follow from that layout, so they agree on nothing
+again; every receive's size is still checked (``MPI_Get_count``). A failure
+with messages in flight marks the communicator failed (see
+`tf_adasum.comm.mpi`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum.comm import mpi as transport
+from tf_adasum.reference import tree_shape
 
 __all__ = ["MESSAGE_BYTES", "MPICommunicator"]
 
@@ -28,7 +34,7 @@ __all__ = ["MESSAGE_BYTES", "MPICommunicator"]
 #: size near it when each receive is posted just before its send.
 MESSAGE_BYTES = 256 << 10
 
-_TAG_EXCHANGE, _TAG_FOLD, _TAG_LAYOUT = 0, 1, 2
+_TAG_EXCHANGE, _TAG_FOLD = 0, 1
 #: Dtypes named in a layout record (others by their item size).
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 
@@ -40,16 +46,29 @@ def _pieces(array: np.ndarray) -> list[np.ndarray]:
 
 
 def _layout(array: np.ndarray) -> np.ndarray:
-    """The record a pair swaps before a step's data: bytes, dtype, message size."""
+    """A rank's record of a tree call's buffer: element count, dtype, message size."""
     name = array.dtype.name
     code = _DTYPES.index(name) if name in _DTYPES else 1000 + array.dtype.itemsize
-    return np.array([array.nbytes, code, MESSAGE_BYTES], np.int64)
+    return np.array([array.size, code, MESSAGE_BYTES], np.int64)
 
 
-def _describe(record: np.ndarray) -> str:
-    nbytes, code, piece = (int(x) for x in record)
-    dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"{code - 1000}-byte items"
-    return f"{nbytes} bytes of {dtype} (in messages of {piece} bytes)"
+def _describe(rank: int, record: np.ndarray) -> str:
+    elements, code, piece = (int(x) for x in record)
+    dtype = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"{code - 1000}-byte"
+    buffer = f"in its tree buffer (its tensors, padded; {piece}-byte messages)"
+    return f"rank {rank} has {elements} {dtype} elements {buffer}"
+
+
+def _steps_per_tree(rank: int, size: int) -> int:
+    """The data steps (swaps, gathers, sends, receives) `rank` takes in one
+    tree call over `size` ranks (`tf_adasum.rvh.allreduce`): the fold's upper
+    rank sends and receives back; the others swap and gather once per level,
+    the fold's lower rank receiving first and sending back last."""
+    leaves, folded = tree_shape(size)
+    levels = leaves.bit_length() - 1
+    if rank < 2 * folded:
+        return 2 if rank % 2 else 2 * levels + 2
+    return 2 * levels
 
 
 class MPICommunicator:
@@ -71,32 +90,36 @@ class MPICommunicator:
         self._sum_comms = sum_comms
         self._chain = chain
         self._timeout = timeout_seconds
+        self._steps = _steps_per_tree(self.rank, self.size) if self.size > 1 else 1
+        self._built = 0  # data steps built so far; they run in this order on the chain
 
-    def _agree(self, peer: int, array: np.ndarray, what: str) -> None:
-        """Swaps `array`'s layout record with `peer`; both raise when they differ."""
-        transport.check_usable(self.comm)
-        mine, theirs = _layout(array), np.zeros(3, np.int64)
-        requests = [
-            self.comm.Irecv(theirs, source=peer, tag=_TAG_LAYOUT),
-            self.comm.Isend(mine, dest=peer, tag=_TAG_LAYOUT),
-        ]
-        transport.wait(
-            requests, self._timeout, f"the layout agreement of {what} with rank {peer}", self.comm, cancel=True
+    def _starts_tree(self) -> bool:
+        """Whether the data step being built is the first of its tree call."""
+        first = self._built % self._steps == 0
+        self._built += 1
+        return first
+
+    def _agree(self, buffer: np.ndarray) -> None:
+        """Gathers every rank's layout record of the tree call's `buffer` over
+        the whole communicator; every rank raises the same error when they differ."""
+        records = transport.allgather(
+            self.comm, _layout(buffer), self._timeout, "the layout agreement of this tree call"
         )
-        if not np.array_equal(mine, theirs):
-            layouts = {self.rank: mine, peer: theirs}  # named in rank order: the same message on both
+        differing = [r for r in range(self.size) if not np.array_equal(records[r], records[0])]
+        if differing:
             raise tf.errors.InvalidArgumentError(
                 None,
                 None,
-                f"tf_adasum MPI engine: the ranks disagree on {what}, so no data was sent: "
-                + ", ".join(f"rank {r} has {_describe(record)}" for r, record in sorted(layouts.items()))
-                + ". Every rank must pass tensors of the same shapes and dtype, in the same order.",
+                "tf_adasum MPI engine: the ranks disagree on the tensors of this tree call, so no data was sent: "
+                f"{_describe(0, records[0])}; {_describe(differing[0], records[differing[0]])}. Every rank must "
+                "pass tensors of the same shapes and dtype, in the same order.",
             )
 
     def _transfer(self, peer: int, send: np.ndarray | None, receive: np.ndarray | None, tag: int, what: str) -> None:
         """Sends `send` to `peer` while receiving its message into `receive`
         (either may be None), in `MESSAGE_BYTES` pieces: receive k, then send
         k; each receive's size checked."""
+        transport.check_usable(self.comm)  # a failed step may have left messages in flight
         MPI = transport.mpi()
         incoming = _pieces(receive) if receive is not None else []
         outgoing = _pieces(send) if send is not None else []
@@ -120,15 +143,15 @@ class MPICommunicator:
                 raise tf.errors.InvalidArgumentError(None, None, message)
 
     def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
-        """Sends `send` to `peer` while receiving its message into `receive`
-        (same size), once both agreed on the layout."""
-        self._agree(peer, receive, what)
+        """Sends `send` to `peer` while receiving its message into `receive` (same size)."""
         self._transfer(peer, send, receive, _TAG_EXCHANGE, f"{what} with rank {peer}")
 
     def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
-        me = 0 if self.rank < partner else 1
+        me, agree = 0 if self.rank < partner else 1, self._starts_tree()
 
         def swap(rows):
+            if agree:  # the rows are the tree's whole buffer
+                self._agree(rows)
             out = np.empty_like(rows[me])
             self._exchange(rows[1 - me], out, partner, "swap_halves")
             return out
@@ -137,9 +160,11 @@ class MPICommunicator:
         return (x[0], received) if me == 0 else (received, x[1])
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
-        me = 0 if self.rank < partner else 1
+        me, agree = 0 if self.rank < partner else 1, self._starts_tree()
 
         def gather(mine):
+            if agree:  # only when used alone: in a tree a swap comes first
+                self._agree(mine)
             out = np.empty((2,) + mine.shape, mine.dtype)
             self._exchange(mine, out[1 - me], partner, "gather_pair")
             out[me] = mine
@@ -156,17 +181,23 @@ class MPICommunicator:
         )
 
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
+        agree = self._starts_tree()
+
         def send(values):
-            self._agree(peer, values, "a fold's message")
+            if agree:  # the fold: the tree's whole buffer
+                self._agree(values)
             self._transfer(peer, values, None, _TAG_FOLD, f"a send to rank {peer}")
             return values
 
         return self._chain.call(send, [x], x.dtype, x.shape)
 
     def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
+        agree = self._starts_tree()
+
         def recv(template):
             out = np.empty_like(template)
-            self._agree(peer, out, "a fold's message")
+            if agree:  # the fold: the tree's whole buffer
+                self._agree(out)
             self._transfer(peer, None, out, _TAG_FOLD, f"a receive from rank {peer}")
             return out
 
