@@ -446,20 +446,41 @@ def test_links_the_workers_cannot_agree_on_close_the_mesh(monkeypatch):
         socket.create_connection(addresses[0], timeout=5).recv(1)
 
 
+def _sending(call):
+    """Starts the send `call` in a helper thread, so that the test's own thread
+    (which posts the receive) never waits on a message the reader leaves
+    unread; returns a function that joins it (30 s) and returns its result
+    or the `OpError` it raised."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_raised_or_result(call)), daemon=True)
+    thread.start()
+
+    def joined():
+        thread.join(30)
+        assert not thread.is_alive(), "the send never finished"
+        return box[0]
+
+    return joined
+
+
 def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):
     first, second = _meshes(2, timeout=2.0)
     big = _bytes(rng, 1 << 20)  # above the early-message limit: nothing was allowed
-    first.exchange(1, 1, big, None, "a test")
+    sent = _sending(lambda: first.exchange(1, 1, big, None, "a test"))
     link = second.link(0, time.monotonic() + 10)
     _until(link, lambda: link.withheld == (1, 1 << 20), "the reader to leave the message unread")
     assert not link._early.get(1), "buffered although larger than any message expected"
     assert second.exchange(0, 1, None, big.nbytes, "a test").tobytes() == big.tobytes()  # posted in time: taken
+    assert not isinstance(sent(), tf.errors.OpError)
     # Allowed: buffered as it comes, before any receive.
     second.allow(1 << 20)
-    first.exchange(1, 2, big, None, "a test")
+    sent = _sending(lambda: first.exchange(1, 2, big, None, "a test"))
     _arrived(second, 0, 2)
-    # Not allowed and never received: the link fails once the timeout has passed.
-    first.exchange(1, 3, _bytes(rng, 2 << 20), None, "a test")
+    assert not isinstance(sent(), tf.errors.OpError)
+    # Not allowed and never received: the link fails once the timeout has passed (the send may end
+    # either way: absorbed by the socket buffers, or cut off when the failed link closes).
+    sent = _sending(lambda: first.exchange(1, 3, _bytes(rng, 2 << 20), None, "a test"))
     _until(link, lambda: link._failure is not None, "the link to fail")
     with pytest.raises(tf.errors.InvalidArgumentError, match="no receive took within 2 s, more than the 1048576"):
         second.exchange(0, 4, None, 8, "a test")
+    sent()
