@@ -156,9 +156,9 @@ def check_usable(comm) -> None:
         raise tf.errors.FailedPreconditionError(
             None,
             None,
-            "tf_adasum MPI engine: an earlier call on this communicator failed, and messages of that call may "
-            "still be in flight (a later call would take them for its own), so the communicator stays failed: "
-            f"restart the job. The failure: {failure}",
+            "tf_adasum MPI engine: an earlier op on this communicator failed, and messages of that op may still "
+            "be in flight (a later op would take them for its own), so the communicator stays failed: restart "
+            f"the job. The failure: {failure}",
         )
 
 
