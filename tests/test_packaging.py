@@ -26,7 +26,7 @@ def _run_python(code, **env):
 
 def test_extras_and_peer_dependency():
     meta = importlib.metadata.metadata("tf_adasum")
-    assert set(meta.get_all("Provides-Extra")) == {"cpu", "tensorflow", "mpi", "viz", "eval", "docs", "test"}
+    assert set(meta.get_all("Provides-Extra")) == {"cpu", "tensorflow", "mpi", "viz", "eval", "ray", "docs", "test"}
     unconditional = [r for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert sorted(re.split(r"[<>=!~ ]", r)[0] for r in unconditional) == ["keras", "numpy"]
 
