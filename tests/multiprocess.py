@@ -5,6 +5,8 @@ with `tf_adasum.reference` and the numpy simulation."""
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,6 +52,20 @@ EMULATED_HOSTS_REFUSAL = _emulated_hosts_refusal()
 needs_emulated_hosts = pytest.mark.skipif(
     EMULATED_HOSTS_REFUSAL is not None, reason=f"no emulated hosts here: {EMULATED_HOSTS_REFUSAL}"
 )
+
+
+def build_native_mpi_ops() -> str:
+    """Builds the native MPI ops once, in a process of its own, into the shared
+    cache (or finds them there), so that the ranks only load them; returns what
+    the build printed."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
 
 
 def worker_env(**extra) -> dict:

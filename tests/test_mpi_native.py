@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
-from multiprocess import TESTS, load_worker, worker_env
+from multiprocess import TESTS, build_native_mpi_ops, load_worker, worker_env
 
 from tf_adasum import reference
 from tf_adasum.comm import mpi as transport
@@ -29,14 +29,8 @@ worker = load_worker(WORKER)
 def built_library():
     """Builds the library once here (the shared cache), so ranks only load it."""
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    print(f"native MPI ops built or found in {time.monotonic() - start:.1f} s: {result.stdout.strip()}")
+    built = build_native_mpi_ops()
+    print(f"native MPI ops built or found in {time.monotonic() - start:.1f} s: {built.strip()}")
 
 
 def _mpirun(n: int, *args: str) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
-from multiprocess import TESTS, load_worker, worker_env
+from multiprocess import TESTS, build_native_mpi_ops, load_worker, worker_env
 
 import tf_adasum.mpi
 from tf_adasum import reference
@@ -28,13 +28,7 @@ worker = load_worker(WORKER)
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """One launch of two ranks for every test below (they read its reports)."""
-    built = subprocess.run(
-        [sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
+    built = build_native_mpi_ops()
     out = tmp_path_factory.mktemp("wire")
     try:
         command = transport.mpirun_command(2)
@@ -51,7 +45,7 @@ def reports(tmp_path_factory):
         with open(out / f"wire_rank{rank}.json", encoding="utf-8") as f:
             loaded.append(json.load(f))
     with open(out / "build.log", "w", encoding="utf-8") as f:  # the native library's, for the last test
-        f.write((pathlib.Path(built.stdout.strip().splitlines()[-1]).parent / "build.log").read_text())
+        f.write((pathlib.Path(built.strip().splitlines()[-1]).parent / "build.log").read_text())
     return out, loaded
 
 
