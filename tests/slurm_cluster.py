@@ -16,10 +16,11 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
+
+from tf_adasum import launch
 
 #: The programs the cluster needs, and what to install where they are missing.
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "srun")
@@ -38,17 +39,6 @@ def refusal() -> str | None:
     if os.geteuid() != 0:
         return "a one-machine Slurm cluster runs its daemons as root here; run the tests as root"
     return None
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _die_with_parent():
@@ -75,7 +65,7 @@ class SlurmCluster:
         with open(self._path("munge", "munge.key"), "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(self._path("munge", "munge.key"), 0o400)
-        controller_port, node_port = _free_ports(2)
+        controller_port, node_port = launch.free_ports(2)
         config = f"""\
 ClusterName=tfadasumtest
 SlurmctldHost=localhost(127.0.0.1)
