@@ -13,7 +13,7 @@ $(STAMP): setup.py $(wildcard tf_adasum/native/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
-	$(PY) -W ignore::RuntimeWarning:runpy -m tf_adasum.native_build \
+	$(PY) -W ignore::RuntimeWarning:runpy -m tf_adasum.native.build \
 	  || echo "warning: the native CPU kernels were not built; Adasum's arithmetic will use XLA (slower)"
 	$(PY) -W ignore::RuntimeWarning:runpy -m tf_adasum.engines.mpi_native --build \
 	  || echo "warning: the native MPI ops were not built; the MPI engine will use its slower portable path"

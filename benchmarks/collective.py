@@ -187,7 +187,7 @@ def _spawn(engine, n, args):
         command += ["--engine", "mpi-rank"]
         prefix = "[mpirun] "
     else:
-        from tf_adasum.comm.mpi import mpirun_command
+        from tf_adasum.comm.mpi_transport import mpirun_command
 
         command = mpirun_command(n)
         command += [sys.executable, script, "--engine", "mpi-rank"]
@@ -204,7 +204,8 @@ def level_slices(elements: int, n: int) -> list[int]:
     """The slice length each replica runs the dot products over, per level of
     the tree for `n` replicas: the fold (whole buffer) when `n` is not a power
     of two, then halves, quarters, ... (rounded up to whole blocks)."""
-    from tf_adasum import ops, rvh
+    from tf_adasum import ops
+    from tf_adasum.tree import rvh
 
     leaves, folded = rvh.tree_shape(n)
     blocks = -(-elements // ops.BLOCK)
@@ -351,11 +352,11 @@ def _mpi_rank(args):
     """One MPI rank: tf_adasum's MPI engine against MPI's own Allreduce."""
     import numpy as np
 
-    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_transport
     from tf_adasum.engines import mpi_native, select
     from tf_adasum.engines.mpi import MPIEngine
 
-    MPI = transport.mpi()
+    MPI = mpi_transport.mpi()
     engine = MPIEngine(select.mpi_world())
     comm = engine.world.comm
     dtype = tf.as_dtype(args.dtype)

@@ -180,7 +180,7 @@ def _mpi_rank(args) -> None:
     """One MPI rank: the MPI engine's combine."""
     import tensorflow as tf
 
-    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_transport
     from tf_adasum.engines import select
     from tf_adasum.engines.mpi import MPIEngine
 
@@ -194,7 +194,7 @@ def _mpi_rank(args) -> None:
 
     _soak("mpi", engine.world.size, process, combine, args)
     sys.stdout.flush()
-    transport.mpi().Finalize()
+    mpi_transport.mpi().Finalize()
 
 
 # -- the parent -------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _spawn(engine: str, n: int, args) -> list[dict]:
     if engine == "workers":
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), script, "--engine", "workers-worker"]
     else:
-        from tf_adasum.comm.mpi import mpirun_command
+        from tf_adasum.comm.mpi_transport import mpirun_command
 
         command = mpirun_command(n) + [sys.executable, script, "--engine", "mpi-rank"]
     result = subprocess.run(command + _forwarded_args(args), capture_output=True, text=True)

@@ -150,9 +150,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=30 State=UP OverSubscri
         output = self._path(f"job-{len(os.listdir(self.folder))}.txt")
         minutes = -(-int(timeout) // 60)
         command = ["sbatch", "--parsable", f"--output={output}", f"--time={minutes}", script, *args]
-        submitted = subprocess.run(
-            command, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60
-        )
+        submitted = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60)
         if submitted.returncode != 0:
             return submitted.returncode, submitted.stdout + submitted.stderr
         job = submitted.stdout.strip().split(";")[0]

@@ -27,7 +27,7 @@ from simulation import data as simulation_data
 
 import tf_adasum
 from tf_adasum import backup
-from tf_adasum.comm import mpi as mpi_transport
+from tf_adasum.comm import mpi_transport
 
 BACKUP_WORKER = os.path.join(TESTS, "workers", "backup_worker.py")
 EPOCHS, STEPS = 4, 3

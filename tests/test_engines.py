@@ -12,8 +12,7 @@ import tensorflow as tf
 from conftest import mirrored
 from multiprocess import TESTS, worker_env
 
-from tf_adasum.comm import cluster, collective
-from tf_adasum.comm import mpi as transport
+from tf_adasum.comm import cluster, collective, mpi_transport
 from tf_adasum.engines import select
 
 RECIPE = f"{TESTS}/workers/mpi_recipe.py"
@@ -71,7 +70,7 @@ def test_group_keys_depend_only_on_the_devices():
 
 
 def test_the_mpi_chain_forgets_collected_graphs():
-    chain = transport.Chain()
+    chain = mpi_transport.Chain()
 
     def trace_once():
         graph = tf.Graph()
@@ -101,13 +100,13 @@ def test_mpi_below_serialized_threads_is_an_error(monkeypatch):
         def Query_thread():
             return FakeMPI.THREAD_FUNNELED
 
-    monkeypatch.setattr(transport, "mpi", lambda: FakeMPI)
+    monkeypatch.setattr(mpi_transport, "mpi", lambda: FakeMPI)
     with pytest.raises(RuntimeError, match="at least MPI_THREAD_SERIALIZED. Received: MPI_THREAD_FUNNELED"):
-        transport.World(2)
+        mpi_transport.World(2)
 
 
 def _mpirun_recipe(fault, timeout):
-    command = transport.mpirun_command(2) + [sys.executable, RECIPE, fault]
+    command = mpi_transport.mpirun_command(2) + [sys.executable, RECIPE, fault]
     start = time.monotonic()
     result = subprocess.run(
         command, env=worker_env(TF_ADASUM_MPI_TIMEOUT=str(timeout)), capture_output=True, text=True, timeout=300

@@ -17,19 +17,19 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tf_adasum"
 #: Lower numbers sit lower. Modules of one layer never import each other.
 LAYERS = {
     "reference": 0,
-    "native_build": 0,
+    "native.build": 0,
     "ops": 1,
     "combiners": 2,
-    "rvh": 3,
+    "tree.rvh": 3,
     "comm.cluster": 2.5,  # reads device strings and cluster specs: below every transport
     "comm.collective": 3,
     "comm.compression": 3,
     "comm.ordering": 3,
-    "comm.mpi": 3.5,  # over comm.ordering
+    "comm.mpi_transport": 3.5,  # over comm.ordering
     "comm.sockets": 3.5,  # over comm.ordering
     "comm.socket_communicator": 3.75,  # over comm.sockets and comm.collective's keys
     "comm.socket_listener": 3,  # below comm.sockets
-    "comm.mpi_communicator": 3.75,  # over comm.mpi
+    "comm.mpi_communicator": 3.75,  # over comm.mpi_transport
     "engines.base": 4,
     "engines.mpi_native": 4,
     "engines.tf": 5,
@@ -37,12 +37,12 @@ LAYERS = {
     "engines.mpi": 5,
     "engines.select": 6,
     "cross_device_ops": 7,
-    "adacons": 7,
-    "diagnostics": 7,
-    "keras_step": 7,
-    "local_steps": 7,
-    "optimizer_args": 7,
-    "optimizer_members": 7,
+    "step.adacons": 7,
+    "step.diagnostics": 7,
+    "step.keras_step": 7,
+    "step.local_steps": 7,
+    "step.settings": 7,
+    "step.members": 7,
     "optimizer": 8,
     "simulation": 8,  # beside the optimizer: the same step, every replica in one process
     "callbacks": 9,
@@ -53,7 +53,7 @@ LAYERS = {
 }
 EVAL_LAYER = 10  # tf_adasum.eval.*: the evaluation, on top (its modules may import each other)
 STANDALONE = {"launch", "_worker_bootstrap", "_cluster_network", "tf_config"}  # import nothing of ours
-PACKAGE_INITS = {"", "comm", "engines", "eval"}
+PACKAGE_INITS = {"", "comm", "engines", "eval", "native", "step", "tree"}
 
 
 def _modules():
@@ -153,7 +153,7 @@ def test_the_layers_are_the_design():
     diagnostics, cross_device_ops -> engines -> comm, rvh -> combiners -> ops
     -> reference, no module reaches one above it through any chain of imports,
     the transports reach no engine, and nothing reaches the command line."""
-    chain = ["reference", "ops", "combiners", "rvh", "engines.base", "cross_device_ops", "optimizer", "callbacks"]
+    chain = ["reference", "ops", "combiners", "tree.rvh", "engines.base", "cross_device_ops", "optimizer", "callbacks"]
     reach = _reachable()
     for i, lower in enumerate(chain):
         above = [upper for upper in chain[i + 1 :] if upper in reach[lower]]

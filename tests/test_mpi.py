@@ -22,7 +22,7 @@ from multiprocess import (
 import tf_adasum
 import tf_adasum.mpi
 from tf_adasum import reference
-from tf_adasum.comm import mpi as mpi_engine
+from tf_adasum.comm import mpi_transport
 from tf_adasum.engines import select
 
 #: MPI call timeout for the failure tests (seconds).
@@ -31,7 +31,7 @@ FAILURE_TIMEOUT = 10
 
 def _run(n, tasks, out, **env):
     try:
-        command = mpi_engine.mpirun_command(n)
+        command = mpi_transport.mpirun_command(n)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     command += [sys.executable, WORKER, tasks, str(out)]
@@ -143,25 +143,25 @@ def test_mpi4py_from_another_mpi_than_the_launcher_is_an_error(monkeypatch):
             return "Some MPI 1.0\n"
 
     _pretend_mpirun(monkeypatch, size=4)
-    monkeypatch.setattr(mpi_engine, "mpi", lambda: FakeMPI)
+    monkeypatch.setattr(mpi_transport, "mpi", lambda: FakeMPI)
     with pytest.raises(RuntimeError, match="started 4 ranks, but MPI's COMM_WORLD here has 1.*Some MPI 1.0"):
-        mpi_engine.World(select.launcher_world_size())
+        mpi_transport.World(select.launcher_world_size())
 
 
 def test_missing_mpi4py_names_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(ImportError, match=r"needs mpi4py: install mpi4py .*pip install 'tf_adasum\[mpi\]'"):
-        mpi_engine.mpi()
+        mpi_transport.mpi()
 
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.delenv("TF_ADASUM_MPI_TIMEOUT", raising=False)
-    assert mpi_engine.default_timeout() == mpi_engine.DEFAULT_TIMEOUT_SECONDS
+    assert mpi_transport.default_timeout() == mpi_transport.DEFAULT_TIMEOUT_SECONDS
     monkeypatch.setenv("TF_ADASUM_MPI_TIMEOUT", "12.5")
-    assert mpi_engine.default_timeout() == 12.5
+    assert mpi_transport.default_timeout() == 12.5
     monkeypatch.setenv("TF_ADASUM_MPI_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="Received: 'soon'"):
-        mpi_engine.default_timeout()
+        mpi_transport.default_timeout()
 
 
 def test_metric_average_callback_is_a_no_op_on_one_process():

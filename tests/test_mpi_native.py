@@ -16,7 +16,7 @@ from conftest import TOLERANCE, relative_error
 from multiprocess import TESTS, build_native_mpi_ops, load_worker, worker_env
 
 from tf_adasum import reference
-from tf_adasum.comm import mpi as transport
+from tf_adasum.comm import mpi_transport
 from tf_adasum.engines import mpi_native
 
 WORKER = os.path.join(TESTS, "workers", "mpi_native_worker.py")
@@ -35,7 +35,7 @@ def built_library():
 
 def _mpirun(n: int, *args: str) -> None:
     try:
-        command = transport.mpirun_command(n)
+        command = mpi_transport.mpirun_command(n)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     command += [sys.executable, WORKER, *args]

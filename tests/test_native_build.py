@@ -1,4 +1,4 @@
-"""`tf_adasum.native_build` with a cache on a shared path: what it refuses to
+"""`tf_adasum.native.build` with a cache on a shared path: what it refuses to
 load or follow, its bounded waits, and its flags. No compile here: the cache
 entries are made by hand where the build would look (or already exist)."""
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tf_adasum import native_build
-from tf_adasum.native_build import BuildError
+from tf_adasum.native import build as native_build
+from tf_adasum.native.build import BuildError
 
 SOURCE, LIBRARY = "adasum_cpu_ops.cc", "tf_adasum_cpu_ops.so"
 

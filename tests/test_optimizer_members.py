@@ -1,7 +1,7 @@
 """AdasumOptimizer is a Keras optimizer in every public respect.
 
 Every public member of `keras.optimizers.Optimizer` is forwarded to the inner
-optimizer, the wrapper's own, or refused (`tf_adasum.optimizer_members`); no
+optimizer, the wrapper's own, or refused (`tf_adasum.step.members`); no
 member may be inherited and silently act on state nothing reads. With one
 replica the wrapper is exactly its inner optimizer, as Keras' own users
 exercise one: single steps, weight decay with exclusions, clipping,
@@ -24,8 +24,8 @@ from multiprocess import WORKER, worker, worker_env
 from simulation import BATCH, IN, OUT, data
 
 import tf_adasum
-from tf_adasum.comm import mpi as mpi_transport
-from tf_adasum.optimizer_members import FORWARDED, MEMBERS, OWN, REFUSED, ForwardedToInner
+from tf_adasum.comm import mpi_transport
+from tf_adasum.step.members import FORWARDED, MEMBERS, OWN, REFUSED, ForwardedToInner
 
 KERAS_OPTIMIZER = keras.optimizers.Optimizer
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide" / "optimizer.md"
@@ -71,7 +71,7 @@ def _sentinel_arguments(name):
 
 def test_every_public_keras_member_is_declared():
     declared, public = set(MEMBERS), _keras_public_members()
-    assert public - declared == set(), "declare these in tf_adasum/optimizer_members.py"
+    assert public - declared == set(), "declare these in tf_adasum/step/members.py"
     assert declared - public == set(), "no longer public members of keras.optimizers.Optimizer"
     assert all(kind in (FORWARDED, OWN, REFUSED) and why for kind, why in MEMBERS.values())
 

@@ -8,10 +8,11 @@ import tensorflow as tf
 from conftest import TEST_TIMEOUT_SECONDS, TOLERANCE, relative_error
 from multiprocess import TESTS, load_worker
 
-from tf_adasum import combiners, reference, rvh
+from tf_adasum import combiners, reference
 from tf_adasum.comm.collective import TFCollectiveCommunicator
 from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.ops import BLOCK, Segments
+from tf_adasum.tree import rvh
 
 B = BLOCK
 

@@ -59,11 +59,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import keras_step
-from tf_adasum.comm import cluster
-from tf_adasum.comm import mpi as mpi_transport
+from tf_adasum.comm import cluster, mpi_transport
 from tf_adasum.engines import select
 from tf_adasum.engines.tf import sum_over_workers
+from tf_adasum.step import keras_step
 
 __all__ = ["METADATA_NAME", "BackupAndRestore", "saved_epoch"]
 

@@ -46,8 +46,8 @@ import re
 import keras
 import tensorflow as tf
 
-from tf_adasum.diagnostics import LEVEL_STATS, TENSOR_STATS
 from tf_adasum.optimizer import AdasumOptimizer
+from tf_adasum.step.diagnostics import LEVEL_STATS, TENSOR_STATS
 
 __all__ = ["AdasumDiagnostics", "model_orthogonality"]
 

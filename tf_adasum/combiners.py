@@ -26,7 +26,7 @@ __all__ = ["AdaCons", "Adasum", "Combiner", "Mean", "Sum", "get", "register", "s
 
 
 class Combiner:
-    """Base class: a pair rule for `tf_adasum.rvh` plus its configuration."""
+    """Base class: a pair rule for `tf_adasum.tree.rvh` plus its configuration."""
 
     #: The name accepted by `get`.
     name: str = ""
@@ -39,12 +39,12 @@ class Combiner:
 
     def partials(self, a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor | None:
         """The float64 partials the rule needs summed over the ranks of the two
-        subtrees (None by default); see `tf_adasum.rvh.PairRule`."""
+        subtrees (None by default); see `tf_adasum.tree.rvh.PairRule`."""
         return None
 
     def combine(self, a: tf.Tensor, b: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
         """Combines the slices `a` (left subtree) and `b` (right) given the summed
-        `partials`; see `tf_adasum.rvh.PairRule`."""
+        `partials`; see `tf_adasum.tree.rvh.PairRule`."""
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:

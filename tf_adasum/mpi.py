@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import numpy as np
 
-from tf_adasum.comm import mpi as transport
+from tf_adasum.comm import mpi_transport
 from tf_adasum.engines import mpi as mpi_engine
 from tf_adasum.engines import select
 
@@ -114,7 +114,7 @@ def check_same_variables(variables: Sequence, what: str = "variables") -> None:
     _check_text(what, "what")
     world = _world()
     if world is not None:
-        mpi_engine.check_same_variables(world.helpers_comm, variables, what, transport.default_timeout())
+        mpi_engine.check_same_variables(world.helpers_comm, variables, what, mpi_transport.default_timeout())
 
 
 def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
@@ -128,7 +128,7 @@ def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
     if not 0 <= root_rank < count:
         raise ValueError(f"`root_rank` must be in [0, {count}). Received: root_rank={root_rank}")
     if world is not None:
-        mpi_engine.broadcast_variables(world.helpers_comm, variables, int(root_rank), transport.default_timeout())
+        mpi_engine.broadcast_variables(world.helpers_comm, variables, int(root_rank), mpi_transport.default_timeout())
 
 
 def _check_scalars(values) -> dict[str, float]:
@@ -166,7 +166,7 @@ def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
     keys = sorted(values)
     local = np.array([values[k] for k in keys], np.float64)
     what = "a sum of metrics over all ranks"
-    total = transport.allreduce_sum(world.helpers_comm, local, transport.default_timeout(), what)
+    total = mpi_transport.allreduce_sum(world.helpers_comm, local, mpi_transport.default_timeout(), what)
     return {k: float(v) for k, v in zip(keys, total)}
 
 
@@ -184,7 +184,7 @@ def check_same_keys(names: Sequence[str], what: str = "metric names") -> None:
     _check_text(what, "what")
     world = _world()
     if world is not None:
-        mpi_engine.check_same_names(world.helpers_comm, sorted(names), what, transport.default_timeout())
+        mpi_engine.check_same_names(world.helpers_comm, sorted(names), what, mpi_transport.default_timeout())
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

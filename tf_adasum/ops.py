@@ -15,7 +15,7 @@ underflow float32, are therefore handled exactly as in `tf_adasum.reference`.
 
 Kernels: on CPUs, `partial_dots` and `scaled_sum` run native kernels
 (``tf_adasum/native/adasum_cpu_ops.cc``, built on first use by
-`tf_adasum.native_build`): one pass over the slice, AVX2 where the CPU has
+`tf_adasum.native.build`): one pass over the slice, AVX2 where the CPU has
 it, spread over the intra-op threads. Elsewhere (GPUs), with
 ``TF_ADASUM_CPU_KERNELS=0``, or where the library cannot be built (one
 warning per process), they run as XLA-compiled TensorFlow ops (plain ops for
@@ -33,7 +33,7 @@ import warnings
 
 import tensorflow as tf
 
-from tf_adasum import native_build
+from tf_adasum.native import build as native_build
 from tf_adasum.reference import NORM_GUARD
 
 #: The floating dtypes Adasum accepts.

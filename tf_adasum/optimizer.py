@@ -6,7 +6,7 @@ Delta mode (default, as in the paper and Horovod), per step on every replica:
    global mean gradient over replicas, so each is multiplied by the number of
    replicas to give the replica's local mean gradient (under MPI they already
    are each rank's local mean);
-2. take one local step of the inner optimizer with it (`tf_adasum.keras_step`);
+2. take one local step of the inner optimizer with it (`tf_adasum.step.keras_step`);
 3. delta = weights after - weights before, per variable;
 4. combine the deltas of all replicas with the combiner (Adasum by default);
 5. every replica sets weights = weights before + combined.
@@ -25,14 +25,15 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import diagnostics as diagnostics_lib
-from tf_adasum import keras_step, ops, optimizer_args
-from tf_adasum import optimizer_members as members
+from tf_adasum import ops
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
-from tf_adasum.local_steps import LocalSteps
+from tf_adasum.step import adacons as adacons_lib
+from tf_adasum.step import diagnostics as diagnostics_lib
+from tf_adasum.step import keras_step, members
+from tf_adasum.step import settings as optimizer_args
+from tf_adasum.step.local_steps import LocalSteps
 
 __all__ = ["AdasumOptimizer"]
 

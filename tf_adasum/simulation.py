@@ -58,10 +58,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tf_adasum import adacons as adacons_lib
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import keras_step, optimizer_args
 from tf_adasum.engines.simulated import CPU, SimulatedEngine, components, per_replica
+from tf_adasum.step import adacons as adacons_lib
+from tf_adasum.step import keras_step
+from tf_adasum.step import settings as optimizer_args
 
 __all__ = ["SimulatedReplicas"]
 

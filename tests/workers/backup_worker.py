@@ -51,7 +51,7 @@ from simulation import data as simulation_data  # noqa: E402
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
 from tf_adasum import backup  # noqa: E402
-from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
+from tf_adasum.comm import mpi_transport  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
 
 EPOCHS, STEPS = 4, 3

@@ -43,8 +43,7 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
-from tf_adasum.comm import collective  # noqa: E402
-from tf_adasum.comm import mpi as mpi_transport  # noqa: E402
+from tf_adasum.comm import collective, mpi_transport  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
 from tf_adasum.engines import tf as tf_engine  # noqa: E402
 from tf_adasum.engines.mpi import MPIEngine  # noqa: E402

@@ -6,7 +6,7 @@ For each communicator size k in SIZES (comma-separated; the first k ranks of
 COMM_WORLD, split off, or ``1`` for COMM_SELF on every rank), every member
 writes ``OUTDIR/tree_k{k}_rank{R}.npz``: the native tree op's results and
 partials for every dtype and rule, those of the Python path
-(`tf_adasum.rvh` over `tf_adasum.comm.mpi_communicator.MPICommunicator`) on the same
+(`tf_adasum.tree.rvh` over `tf_adasum.comm.mpi_communicator.MPICommunicator`) on the same
 inputs, and the native sum and gather ops' results. With ``--deadline``,
 rank 1 of a two-rank communicator skips a call that rank 0 makes (twice), and
 rank 0 writes ``OUTDIR/deadline.json``. The test compares everything with
@@ -71,18 +71,18 @@ def _intermediate(x: tf.Tensor) -> tf.Tensor:
 
 def run(comm, k: int, out: str, world) -> None:
     """Every op on communicator `comm` (k ranks); writes this rank's results."""
-    from tf_adasum import combiners, ops, rvh
-    from tf_adasum.comm import mpi as transport
-    from tf_adasum.comm import mpi_communicator
+    from tf_adasum import combiners, ops
+    from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines import mpi_native
     from tf_adasum.engines.base import combine_with_communicators
+    from tf_adasum.tree import rvh
 
     rank = comm.Get_rank()
     # The Python path's XLA kernels compile per shape and dtype (seconds each);
     # its plain-op kernels compute the same.
     ops.XLA_MIN_ELEMENTS = 1 << 62
     communicator = mpi_communicator.MPICommunicator(
-        comm, world.sum_communicators(comm, rvh.groups(k)), transport.Chain(), TIMEOUT_SECONDS
+        comm, world.sum_communicators(comm, rvh.groups(k)), mpi_transport.Chain(), TIMEOUT_SECONDS
     )
     results = {}
     # In a traced function, on intermediates: the op may reuse their buffers (in place).
@@ -163,13 +163,13 @@ def main(argv) -> int:
     tf.config.threading.set_intra_op_parallelism_threads(1)  # ranks share few cores
     from mpi4py import MPI
 
-    from tf_adasum.comm import mpi as transport
+    from tf_adasum.comm import mpi_transport
     from tf_adasum.engines import mpi_native
 
     if mpi_native.load() is None:
         raise SystemExit("the native MPI ops are unavailable (see the warning)")
     comm = MPI.COMM_WORLD
-    world = transport.world()
+    world = mpi_transport.world()
     # Every communicator stays alive: `World.sum_communicators` caches by id(),
     # which a collected communicator's successor could reuse on some ranks only.
     subs = [MPI.COMM_SELF if k == 1 else comm.Split(0 if comm.rank < k else MPI.UNDEFINED, comm.rank) for k in sizes]

@@ -90,13 +90,12 @@ def native_mismatch(comm, rank: int) -> dict:
 
 
 def python_mismatch(comm, rank: int, world) -> dict:
-    from tf_adasum import rvh
-    from tf_adasum.comm import mpi as transport
-    from tf_adasum.comm import mpi_communicator
+    from tf_adasum.comm import mpi_communicator, mpi_transport
+    from tf_adasum.tree import rvh
 
     def swap(length):
         communicator = mpi_communicator.MPICommunicator(  # a fresh tree call: its first step agrees
-            comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
+            comm, world.sum_communicators(comm, rvh.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
         )
         rows = tf.reshape(tf.range(2 * length, dtype=tf.float32) + 10 * rank, [2, length])
         return [t.numpy().tolist()[:3] for t in communicator.swap_halves(rows, 1 - rank)]
@@ -106,7 +105,7 @@ def python_mismatch(comm, rank: int, world) -> dict:
     # Past the agreement (as a bug would be): rank 0 sends 1000 bytes where rank 1 receives 2000. The
     # size check fails rank 1 and marks its communicator failed, so its next step fails at once.
     other = comm.Dup()
-    latching = mpi_communicator.MPICommunicator(other, {}, transport.Chain(), TIMEOUT_SECONDS)
+    latching = mpi_communicator.MPICommunicator(other, {}, mpi_transport.Chain(), TIMEOUT_SECONDS)
     if rank == 0:
         short = _outcome(lambda: latching._transfer(1, np.zeros(1000, np.uint8), None, 5, "a test's send"))
         retry = {}
@@ -137,11 +136,11 @@ def helpers(rank: int) -> dict:
 
 
 def path(rank: int, world, out: str) -> dict:
-    from tf_adasum import combiners, rvh
-    from tf_adasum.comm import mpi as transport
-    from tf_adasum.comm import mpi_communicator
+    from tf_adasum import combiners
+    from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines import mpi as mpi_engine
     from tf_adasum.engines.base import combine_with_communicators
+    from tf_adasum.tree import rvh
 
     if rank == 1:
         os.environ["TF_ADASUM_MPI_NATIVE"] = "0"  # this rank alone cannot use the native ops
@@ -152,7 +151,7 @@ def path(rank: int, world, out: str) -> dict:
     combined = engine.combine(values, "adasum")
     comm = world.comm
     communicator = mpi_communicator.MPICommunicator(
-        comm, world.sum_communicators(comm, rvh.groups(2)), transport.Chain(), TIMEOUT_SECONDS
+        comm, world.sum_communicators(comm, rvh.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
     )
     python, _ = combine_with_communicators([(v,) for v in values], [communicator], combiners.get("adasum"))
     arrays = {f"engine_{i}": np.asarray(x) for i, x in enumerate(combined)}
@@ -165,16 +164,19 @@ def path(rank: int, world, out: str) -> dict:
 
 
 def last_differs(rank: int, world) -> dict:
-    from tf_adasum import combiners, rvh
-    from tf_adasum.comm import mpi as transport
-    from tf_adasum.comm import mpi_communicator
+    from tf_adasum import combiners
+    from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines.base import combine_with_communicators
+    from tf_adasum.tree import rvh
 
     comm = world.comm.Dup()
 
     def tree(x):
         communicator = mpi_communicator.MPICommunicator(
-            comm, world.sum_communicators(comm, rvh.groups(comm.Get_size())), transport.Chain(), LAST_TIMEOUT_SECONDS
+            comm,
+            world.sum_communicators(comm, rvh.groups(comm.Get_size())),
+            mpi_transport.Chain(),
+            LAST_TIMEOUT_SECONDS,
         )
         combined, _ = combine_with_communicators([(x,)], [communicator], combiners.get("adasum"))
         return np.asarray(combined[0][0])

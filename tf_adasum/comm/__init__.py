@@ -1,4 +1,4 @@
-"""Transports for the vector-halving driver (`tf_adasum.rvh.Communicator`).
+"""Transports for the vector-halving driver (`tf_adasum.tree.rvh.Communicator`).
 
 `collective`: TensorFlow collective ops, for the devices of one process, GPUs,
 and worker processes of a TF cluster; `sockets`: TCP connections of our own

@@ -1,8 +1,8 @@
-"""The vector-halving tree's steps over mpi4py (`tf_adasum.comm.mpi`).
+"""The vector-halving tree's steps over mpi4py (`tf_adasum.comm.mpi_transport`).
 
-`MPICommunicator` is one rank's `tf_adasum.rvh.Communicator`: each step (a
+`MPICommunicator` is one rank's `tf_adasum.tree.rvh.Communicator`: each step (a
 swap, a gather, a level's float64 partial sums, a fold's send or receive) is
-one ``tf.numpy_function`` on the rank's `tf_adasum.comm.mpi.Chain` (the
+one ``tf.numpy_function`` on the rank's `tf_adasum.comm.mpi_transport.Chain` (the
 portable path of `tf_adasum.engines.mpi`; the native op is the fast one).
 
 Sizes are agreed before data moves, once per tree call, as the native op
@@ -15,7 +15,7 @@ that differs from it (nothing was sent, so the communicator stays usable).
 The later steps' sizes follow from that layout, so they agree on nothing
 again; every receive's size is still checked (``MPI_Get_count``). A failure
 with messages in flight marks the communicator failed (see
-`tf_adasum.comm.mpi`).
+`tf_adasum.comm.mpi_transport`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.comm import mpi as transport
+from tf_adasum.comm import mpi_transport
 from tf_adasum.reference import tree_shape
 
 __all__ = ["MESSAGE_BYTES", "MPICommunicator"]
@@ -61,7 +61,7 @@ def _describe(rank: int, record: np.ndarray) -> str:
 
 def _steps_per_tree(rank: int, size: int) -> int:
     """The data steps (swaps, gathers, sends, receives) `rank` takes in one
-    tree call over `size` ranks (`tf_adasum.rvh.allreduce`): the fold's upper
+    tree call over `size` ranks (`tf_adasum.tree.rvh.allreduce`): the fold's upper
     rank sends and receives back; the others swap and gather once per level,
     the fold's lower rank receiving first and sending back last."""
     leaves, folded = tree_shape(size)
@@ -76,7 +76,7 @@ class MPICommunicator:
 
     Args:
       comm: the mpi4py communicator whose ranks take part (e.g. ``COMM_WORLD``).
-      sum_comms: `tf_adasum.comm.mpi.World.sum_communicators` of `comm` for
+      sum_comms: `tf_adasum.comm.mpi_transport.World.sum_communicators` of `comm` for
         the tree's groups.
       chain: orders this process's MPI calls.
       timeout_seconds: how long a call waits for its peers (0: forever).
@@ -84,7 +84,7 @@ class MPICommunicator:
 
     device = ""  # the arithmetic stays where TensorFlow places it
 
-    def __init__(self, comm, sum_comms, chain: transport.Chain, timeout_seconds: float):
+    def __init__(self, comm, sum_comms, chain: mpi_transport.Chain, timeout_seconds: float):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._sum_comms = sum_comms
@@ -102,7 +102,7 @@ class MPICommunicator:
     def _agree(self, buffer: np.ndarray) -> None:
         """Gathers every rank's layout record of the tree call's `buffer` over
         the whole communicator; every rank raises the same error when they differ."""
-        records = transport.allgather(
+        records = mpi_transport.allgather(
             self.comm, _layout(buffer), self._timeout, "the layout agreement of this tree call"
         )
         differing = [r for r in range(self.size) if not np.array_equal(records[r], records[0])]
@@ -119,8 +119,8 @@ class MPICommunicator:
         """Sends `send` to `peer` while receiving its message into `receive`
         (either may be None), in `MESSAGE_BYTES` pieces: receive k, then send
         k; each receive's size checked."""
-        transport.check_usable(self.comm)  # a failed step may have left messages in flight
-        MPI = transport.mpi()
+        mpi_transport.check_usable(self.comm)  # a failed step may have left messages in flight
+        MPI = mpi_transport.mpi()
         incoming = _pieces(receive) if receive is not None else []
         outgoing = _pieces(send) if send is not None else []
         requests, expected = [], []
@@ -132,14 +132,14 @@ class MPICommunicator:
                 requests.append(self.comm.Isend(outgoing[k], dest=peer, tag=tag))
                 expected.append(None)
         statuses = [MPI.Status() for _ in requests]
-        transport.wait(requests, self._timeout, what, self.comm, statuses, cancel=True)
+        mpi_transport.wait(requests, self._timeout, what, self.comm, statuses, cancel=True)
         for status, nbytes in zip(statuses, expected):
             if nbytes is not None and status.Get_count(MPI.BYTE) != nbytes:
                 message = (
                     f"tf_adasum MPI engine: {what} received a message of {status.Get_count(MPI.BYTE)} bytes where "
                     f"{nbytes} were expected (the ranks run different programs)."
                 )
-                transport.mark_failed(self.comm, message)
+                mpi_transport.mark_failed(self.comm, message)
                 raise tf.errors.InvalidArgumentError(None, None, message)
 
     def _exchange(self, send: np.ndarray, receive: np.ndarray, peer: int, what: str) -> None:
@@ -177,7 +177,7 @@ class MPICommunicator:
         sub = self._sum_comms[tuple(members)]
         what = f"the partial sums over ranks {members}"
         return self._chain.call(
-            lambda v: transport.allreduce_sum(sub, v, self._timeout, what), [x], tf.float64, x.shape
+            lambda v: mpi_transport.allreduce_sum(sub, v, self._timeout, what), [x], tf.float64, x.shape
         )
 
     def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:

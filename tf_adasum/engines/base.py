@@ -33,7 +33,8 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import ops, rvh
+from tf_adasum import ops
+from tf_adasum.tree import rvh
 
 __all__ = [
     "SCOPES",

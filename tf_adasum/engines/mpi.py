@@ -5,13 +5,13 @@ available (`tf_adasum.engines.mpi_native`: the fold, the halving levels with
 their float64 partial sums and the gathers in C++, reading and writing the
 tensors in place); otherwise each tree step is a ``tf.numpy_function`` over
 `tf_adasum.comm.mpi_communicator.MPICommunicator` (the portable path,
-slower). Both are the tree of `tf_adasum.rvh` and are tested against
+slower). Both are the tree of `tf_adasum.tree.rvh` and are tested against
 `tf_adasum.reference`. The ranks choose the path together when the engine is
 built: the native one only when every rank can load the library (the two
 paths exchange different messages), else every rank takes the Python path,
 with one warning naming the ranks that could not and why.
 
-Every MPI call has a deadline (`tf_adasum.comm.mpi.default_timeout`) and the
+Every MPI call has a deadline (`tf_adasum.comm.mpi_transport.default_timeout`) and the
 calls of one graph are chained in program order. Sub-communicators are made
 when the engine is built, in the same order on every rank.
 """
@@ -27,12 +27,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import rvh
 from tf_adasum.comm import compression as compression_lib
-from tf_adasum.comm import mpi as transport
-from tf_adasum.comm import mpi_communicator
+from tf_adasum.comm import mpi_communicator, mpi_transport
 from tf_adasum.engines import mpi_native
 from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
+from tf_adasum.tree import rvh
 
 __all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_names", "check_same_variables"]
 
@@ -47,10 +46,10 @@ def _first_difference(a, b) -> str:
 def _gather_strings(comm, text: str, timeout: float, what: str) -> list[str]:
     """Every rank's `text`, in rank order (two small gathers with deadlines; no pickling)."""
     encoded = np.frombuffer(text.encode(), np.uint8)
-    lengths = transport.allgather(comm, np.array([encoded.size], np.int64), timeout, what)[:, 0]
+    lengths = mpi_transport.allgather(comm, np.array([encoded.size], np.int64), timeout, what)[:, 0]
     padded = np.zeros(int(lengths.max()), np.uint8)
     padded[: encoded.size] = encoded
-    rows = transport.allgather(comm, padded, timeout, what)
+    rows = mpi_transport.allgather(comm, padded, timeout, what)
     return [bytes(row[:n]).decode() for row, n in zip(rows, lengths)]
 
 
@@ -60,7 +59,7 @@ def _differing(comm, items: list, timeout: float, what: str) -> list[list] | Non
     the items themselves only when they differ."""
     text = json.dumps(items)
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-    digests = transport.allgather(comm, digest, timeout, f"the check that the {what} agree")
+    digests = mpi_transport.allgather(comm, digest, timeout, f"the check that the {what} agree")
     if (digests == digests[0]).all():
         return None
     return [json.loads(t) for t in _gather_strings(comm, text, timeout, f"the comparison of the {what}")]
@@ -97,7 +96,7 @@ def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> N
 def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) -> None:
     """Sets every rank's `variables` to `root`'s values (eagerly; same list everywhere)."""
     for variable in variables:
-        value = transport.bcast(comm, variable.numpy(), root, timeout, f"the broadcast of {variable.name}")
+        value = mpi_transport.bcast(comm, variable.numpy(), root, timeout, f"the broadcast of {variable.name}")
         if comm.Get_rank() != root:
             variable.assign(value)
 
@@ -114,7 +113,7 @@ def agree_on_native(comm, timeout: float):
     why (one small gather; the reasons only when some rank lacks it)."""
     module, reason = mpi_native.availability()
     what = "the check that every rank can use the native MPI ops"
-    able = transport.allgather(comm, np.array([module is not None], np.uint8), timeout, what)[:, 0]
+    able = mpi_transport.allgather(comm, np.array([module is not None], np.uint8), timeout, what)[:, 0]
     if able.all():
         return module
     reasons = _gather_strings(comm, reason or "", timeout, what)
@@ -140,7 +139,7 @@ class MPIEngine(Engine):
     """This process's one replica among the MPI ranks of `world`.
 
     Args:
-      world: `tf_adasum.comm.mpi.World` (see `tf_adasum.engines.select.mpi_world`).
+      world: `tf_adasum.comm.mpi_transport.World` (see `tf_adasum.engines.select.mpi_world`).
       timeout_seconds: how long an MPI call waits for its peers (0: forever).
       bytes_per_bucket: fusion cap (0: one bucket per dtype; see `rvh.make_buckets`).
       compression: None, or ``"float16"``/``"bfloat16"``: float32 and float64
@@ -157,10 +156,10 @@ class MPIEngine(Engine):
         self.compression = compression
         self.world = world
         self.num_replicas = world.size
-        self.timeout_seconds = transport.default_timeout() if timeout_seconds is None else float(timeout_seconds)
+        self.timeout_seconds = mpi_transport.default_timeout() if timeout_seconds is None else float(timeout_seconds)
         self.bytes_per_bucket = bytes_per_bucket
         self.strategy = tf.distribute.get_strategy()
-        self._chain = transport.Chain()
+        self._chain = mpi_transport.Chain()
         self._comms = {"all": world.comm, "local": world.node, "cross": world.cross}
         with tf.init_scope():
             self._sum_comms = {
@@ -169,7 +168,7 @@ class MPIEngine(Engine):
         # The same path on every rank: None everywhere (one warning) where one rank cannot load the library.
         self.native = agree_on_native(world.comm, self.timeout_seconds)
         if self.native is not None:
-            transport.add_deadline_probe(mpi_native.deadlines_missed)
+            mpi_transport.add_deadline_probe(mpi_native.deadlines_missed)
 
     def scope_size(self, scope: str) -> int:
         return self._comms[scope].Get_size()
@@ -207,14 +206,16 @@ class MPIEngine(Engine):
         if self.native is not None:
             return self._chain.chain(lambda: mpi_native.allreduce_sum(x, comm, timeout))
         what = "a sum over all ranks"
-        return self._chain.call(lambda v: transport.allreduce_sum(comm, v, timeout, what), [x], tf.float64, x.shape)
+        return self._chain.call(lambda v: mpi_transport.allreduce_sum(comm, v, timeout, what), [x], tf.float64, x.shape)
 
     def gather_small(self, x) -> tf.Tensor:
         comm, timeout, size = self.world.comm, self.timeout_seconds, self.world.size
         if self.native is not None:
             return self._chain.chain(lambda: mpi_native.allgather(x, comm, timeout))
         what = "a gather over all ranks"
-        return self._chain.call(lambda v: transport.allgather(comm, v, timeout, what), [x], x.dtype, [size, *x.shape])
+        return self._chain.call(
+            lambda v: mpi_transport.allgather(comm, v, timeout, what), [x], x.dtype, [size, *x.shape]
+        )
 
     @property
     def is_first_process(self) -> bool:

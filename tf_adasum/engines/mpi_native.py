@@ -2,13 +2,13 @@
 
 A C++ op library (``tf_adasum/native/adasum_mpi_ops.cc``) compiled on first
 use against the installed TensorFlow and the MPI library that mpi4py loaded
-(`tf_adasum.native_build`), cached under
+(`tf_adasum.native.build`), cached under
 ``~/.cache/tf_adasum/tf_adasum_mpi_ops/<hash>/`` (``TF_ADASUM_CACHE_DIR``
 overrides ``~/.cache/tf_adasum``) and loaded with `tf.load_op_library`. Its
 ops call MPI directly, read their inputs in place and write their outputs directly (into the
 inputs' buffers when nothing else holds them, e.g. intermediates of a graph):
 
-* `tree`: ``TfAdasumMpiTree``, the vector-halving tree of `tf_adasum.rvh`
+* `tree`: ``TfAdasumMpiTree``, the vector-halving tree of `tf_adasum.tree.rvh`
   (``allreduce``) with the Adasum or plain-sum pair rule, for a list of
   tensors in one call;
 * `allreduce_sum`: ``TfAdasumMpiAllreduce``, an elementwise sum
@@ -53,8 +53,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from tf_adasum import native_build
-from tf_adasum.native_build import BuildError
+from tf_adasum.native import build as native_build
+from tf_adasum.native.build import BuildError
 from tf_adasum.reference import tree_shape
 
 __all__ = [
@@ -224,7 +224,7 @@ def tree(
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Combines each tensor of `values` over the ranks of `comm` in one op.
 
-    The semantics of `tf_adasum.rvh.allreduce` with `tf_adasum.combiners`'
+    The semantics of `tf_adasum.tree.rvh.allreduce` with `tf_adasum.combiners`'
     ``Adasum`` or ``Sum`` rule, each tensor on its own: the binary tree over
     the ranks in rank order (non-power-of-two sizes fold pairs (0, 1), ...
     first), vector halving, then a gather. Adasum accumulates the partial
@@ -247,7 +247,7 @@ def tree(
       and float64 ``[levels, len(values), 3]``: per level (the fold first
       when the size is not a power of two), the group-summed partials this
       rank used, zeros where it computed none (all zeros for "sum"); as
-      `tf_adasum.rvh.level_representatives` and ``num_levels`` count levels.
+      `tf_adasum.tree.rvh.level_representatives` and ``num_levels`` count levels.
     """
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {list(RULES)}. Received: rule={rule!r}")

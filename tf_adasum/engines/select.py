@@ -19,8 +19,7 @@ import os
 import tensorflow as tf
 from tensorflow.python.distribute import collective_util
 
-from tf_adasum.comm import cluster
-from tf_adasum.comm import mpi as mpi_transport
+from tf_adasum.comm import cluster, mpi_transport
 from tf_adasum.engines.base import Engine
 from tf_adasum.engines.mpi import MPIEngine
 from tf_adasum.engines.tf import TFEngine

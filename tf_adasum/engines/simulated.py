@@ -3,12 +3,12 @@
 Where `tf_adasum.engines.tf` gives each replica a device of its own, this
 engine holds all N replicas' tensors on one device and combines them with
 the tree of the vector-halving collective, pair by pair over whole buffers
-(`tf_adasum.rvh.reduce_on_one_device`): the same pairs in the same order,
+(`tf_adasum.tree.rvh.reduce_on_one_device`): the same pairs in the same order,
 the same fused buffers and the same kernels (float64 dot products), in N - 1
 pair combines whatever N, so 256 replicas build in seconds. It serves
 `tf_adasum.simulation.SimulatedReplicas` ("what would Adasum do on 256
 workers", on a laptop), and AdaCons runs over it unchanged
-(`tf_adasum.adacons`), through `SimulatedEngine.strategy.extended`, a
+(`tf_adasum.step.adacons`), through `SimulatedEngine.strategy.extended`, a
 stand-in for the part of a strategy that AdaCons uses.
 
 Precision: as N replicas of a strategy, except that a pair's float64 partial
@@ -29,8 +29,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import rvh
 from tf_adasum.engines.base import Components, Engine, regroup
+from tf_adasum.tree import rvh
 
 __all__ = ["CPU", "SimulatedEngine", "components", "per_replica"]
 
@@ -88,7 +88,7 @@ class SimulatedEngine(Engine):
 
     Args:
       num_replicas: N >= 1.
-      bytes_per_pack: the fusion cap of `tf_adasum.rvh.make_buckets` (0: one
+      bytes_per_pack: the fusion cap of `tf_adasum.tree.rvh.make_buckets` (0: one
         bucket per dtype, as `AdasumCrossDeviceOps` by default).
 
     There are no processes to reach: the per-step finite check and the small

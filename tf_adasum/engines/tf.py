@@ -31,7 +31,6 @@ from typing import Any
 import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum import rvh
 from tf_adasum.comm import cluster, collective, socket_communicator, sockets
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import (
@@ -42,6 +41,7 @@ from tf_adasum.engines.base import (
     digests_differ,
     small_digests,
 )
+from tf_adasum.tree import rvh
 
 __all__ = ["TFEngine", "sum_over_workers", "worker_port_offset", "worker_transport"]
 
@@ -165,7 +165,7 @@ class TFEngine(Engine):
       ranks: the global ranks of this process's replicas (consecutive).
       options: a `tf.distribute.experimental.CommunicationOptions`:
         ``bytes_per_pack`` caps a fused bucket (0: one per dtype; large
-        tensors may travel alone, see `tf_adasum.rvh.make_buckets`),
+        tensors may travel alone, see `tf_adasum.tree.rvh.make_buckets`),
         ``timeout_seconds`` turns a missing peer into an error.
       strategy: the strategy the replicas belong to (for the small exchanges);
         default: the current one.

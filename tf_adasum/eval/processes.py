@@ -59,7 +59,7 @@ def run_in_processes(
       data_dir: where the processes find the dataset (`load_dataset`).
       verbose: show the processes' output, TensorFlow's log lines included.
     """
-    from tf_adasum.comm.mpi import mpirun_command
+    from tf_adasum.comm.mpi_transport import mpirun_command
     from tf_adasum.eval.quiet import QUIET_ENVIRONMENT, is_startup_noise
 
     n = config.replicas
@@ -199,7 +199,7 @@ def _main(argv=None) -> None:
             processes.sum([0.0])
             sys.stdout.flush()
             if config.engine == "mpi":
-                from tf_adasum.comm.mpi import mpi
+                from tf_adasum.comm.mpi_transport import mpi
 
                 mpi().Finalize()  # mpirun treats an exit without it as a failure
             os._exit(0)

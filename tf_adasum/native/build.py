@@ -10,7 +10,7 @@ A library is compiled on first use with the C++ compiler (``CXX``, default
 ``~/.cache/tf_adasum``), keyed by the sources, TensorFlow's version, the
 command line, the compiler's version and what the caller adds (the MPI
 library). Processes starting together compile it once: the others wait on a
-lock file. ``python -m tf_adasum.native_build`` builds the CPU kernels ahead
+lock file. ``python -m tf_adasum.native.build`` builds the CPU kernels ahead
 of time (``make install`` does) and prints their path.
 
 The cache may sit on a shared path, so what is loaded from it is checked
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: The folder of the C++ sources.
-SOURCES = Path(__file__).resolve().parent / "native"
+SOURCES = Path(__file__).resolve().parent
 #: Portable optimisation only: the AVX2 kernels are chosen at run time.
 FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-Wall", "-Wno-psabi"]
 #: Added where the compiler accepts them (probed once per compiler).

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tf_adasum import ops, rvh
+from tf_adasum import ops
 from tf_adasum.engines.base import Engine
+from tf_adasum.tree import rvh
 
 __all__ = ["LEVEL_STATS", "TENSOR_STATS", "Recorder", "columns", "statistics"]
 

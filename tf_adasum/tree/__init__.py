@@ -1,0 +1,1 @@
+"""Adasum's tree over any transport: the vector-halving algorithm (ADASUMRVH) and bucket fusion."""
