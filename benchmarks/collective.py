@@ -187,7 +187,7 @@ def _spawn(engine, n, args):
         command += ["--engine", "mpi-rank"]
         prefix = "[mpirun] "
     else:
-        from tf_adasum.comm.mpi_transport import mpirun_command
+        from tf_adasum.launcher.mpirun import mpirun_command
 
         command = mpirun_command(n)
         command += [sys.executable, script, "--engine", "mpi-rank"]
@@ -205,9 +205,9 @@ def level_slices(elements: int, n: int) -> list[int]:
     the tree for `n` replicas: the fold (whole buffer) when `n` is not a power
     of two, then halves, quarters, ... (rounded up to whole blocks)."""
     from tf_adasum import ops
-    from tf_adasum.tree import rvh
+    from tf_adasum.reference import tree_shape
 
-    leaves, folded = rvh.tree_shape(n)
+    leaves, folded = tree_shape(n)
     blocks = -(-elements // ops.BLOCK)
     slices = [blocks] if folded else []
     for level in range(1, leaves.bit_length()):
@@ -249,7 +249,7 @@ def link_floor_ms(n: int, nbytes: int, link: str) -> float:
     """The time each host's link needs for the bytes it must send in an
     all-reduce of `nbytes` over `n` hosts, ring or vector halving: 2(n-1)/n x
     nbytes, at `link` (tc syntax: bits per second)."""
-    from tf_adasum._cluster_network import rate_bits_per_second
+    from tf_adasum.launcher.helper import rate_bits_per_second
 
     return 2 * (n - 1) / n * nbytes * 8 / rate_bits_per_second(link) * 1e3
 

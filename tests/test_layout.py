@@ -20,6 +20,7 @@ LAYERS = {
     "native.build": 0,
     "ops": 1,
     "combiners": 2,
+    "tree.buckets": 2.75,  # over ops: below the tree
     "tree.rvh": 3,
     "comm.cluster": 2.5,  # reads device strings and cluster specs: below every transport
     "comm.collective": 3,

@@ -1,4 +1,5 @@
-"""The vector-halving driver: bucket layout, rank groups, and bytes on the wire."""
+"""The vector-halving driver (`tf_adasum.tree.rvh`) and its buckets
+(`tf_adasum.tree.buckets`): bucket layout, rank groups, and bytes on the wire."""
 
 import os
 
@@ -12,14 +13,14 @@ from tf_adasum import combiners, reference
 from tf_adasum.comm.collective import TFCollectiveCommunicator
 from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.ops import BLOCK, Segments
-from tf_adasum.tree import rvh
+from tf_adasum.tree import buckets, rvh
 
 B = BLOCK
 
 
 def test_segments_of_a_slice_straddling_tensors():
     # Tensors of 3, 5 and 2 blocks; 12 blocks in all (the last tensor owns the padding).
-    bucket = rvh.Bucket(tf.float32, indices=(0, 1, 2), sizes=(3 * B, 5 * B - 7, 1), total_blocks=12)
+    bucket = buckets.Bucket(tf.float32, indices=(0, 1, 2), sizes=(3 * B, 5 * B - 7, 1), total_blocks=12)
     assert bucket.blocks == (3, 5, 1)
     assert bucket.padded_length == 12 * B
     assert bucket.starts() == [0, 3 * B, 8 * B]
@@ -33,8 +34,8 @@ def test_segments_of_a_slice_straddling_tensors():
 
 def test_make_buckets_groups_by_dtype_and_pads_to_the_leaf_count():
     dtypes = [tf.float32, tf.float64, tf.float32, tf.float16]
-    buckets = rvh.make_buckets(dtypes, [3, 4, 2 * B + 1, 5], num_ranks=6)  # 4 leaves
-    assert [(b.dtype, b.indices, b.sizes, b.blocks, b.total_blocks) for b in buckets] == [
+    made = buckets.make_buckets(dtypes, [3, 4, 2 * B + 1, 5], num_ranks=6)  # 4 leaves
+    assert [(b.dtype, b.indices, b.sizes, b.blocks, b.total_blocks) for b in made] == [
         (tf.float32, (0, 2), (3, 2 * B + 1), (1, 3), 4),
         (tf.float64, (1,), (4,), (1,), 4),
         (tf.float16, (3,), (5,), (1,), 4),
@@ -42,18 +43,18 @@ def test_make_buckets_groups_by_dtype_and_pads_to_the_leaf_count():
 
 
 def test_make_buckets_caps_bytes_and_skips_empty_tensors():
-    buckets = rvh.make_buckets([tf.float32] * 5, [4, 4, 0, 10, 1], num_ranks=2, bytes_per_bucket=32)
-    assert [b.indices for b in buckets] == [(0, 1), (3,), (4,)]  # a larger tensor gets its own bucket
-    assert all(b.total_blocks % 2 == 0 for b in buckets)
+    made = buckets.make_buckets([tf.float32] * 5, [4, 4, 0, 10, 1], num_ranks=2, bytes_per_bucket=32)
+    assert [b.indices for b in made] == [(0, 1), (3,), (4,)]  # a larger tensor gets its own bucket
+    assert all(b.total_blocks % 2 == 0 for b in made)
 
 
 def test_pack_and_unpack_round_trip():
     tensors = [tf.reshape(tf.range(6, dtype=tf.float32), [2, 3]), tf.constant([7.0]), tf.range(B + 2, dtype=tf.float32)]
-    (bucket,) = rvh.make_buckets([t.dtype for t in tensors], [6, 1, B + 2], num_ranks=4)
-    flat = rvh.pack(tensors, bucket)
+    (bucket,) = buckets.make_buckets([t.dtype for t in tensors], [6, 1, B + 2], num_ranks=4)
+    flat = buckets.pack(tensors, bucket)
     assert flat.shape == [4 * B]
     np.testing.assert_array_equal(flat[:B].numpy(), np.r_[np.arange(6), np.zeros(B - 6)])
-    out = rvh.unpack(flat, bucket, [t.shape for t in tensors])
+    out = buckets.unpack(flat, bucket, [t.shape for t in tensors])
     for a, b in zip(out, tensors):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -162,12 +163,12 @@ def test_cost_model_counts_the_messages_the_tree_sends(n, rng):
 
 
 def test_make_buckets_leaves_large_unpadded_tensors_unfused():
-    large = rvh.ALONE_BYTES // 4  # float32 elements
+    large = buckets.ALONE_BYTES // 4  # float32 elements
     sizes = [3, large, 5, large + B, 2 * large]  # large + B needs padding with 4 leaves
-    buckets = rvh.make_buckets([tf.float32] * 5, sizes, num_ranks=4)
-    assert [b.indices for b in buckets] == [(0, 2, 3), (1,), (4,)]
-    (alone,) = [b for b in buckets if b.indices == (1,)]
-    pack = tf.function(lambda t: rvh.pack([None, t], alone))
+    made = buckets.make_buckets([tf.float32] * 5, sizes, num_ranks=4)
+    assert [b.indices for b in made] == [(0, 2, 3), (1,), (4,)]
+    (alone,) = [b for b in made if b.indices == (1,)]
+    pack = tf.function(lambda t: buckets.pack([None, t], alone))
     graph = pack.get_concrete_function(tf.TensorSpec([large], tf.float32)).graph
     assert {op.type for op in graph.get_operations()} <= {"Placeholder", "Reshape", "Const", "Identity"}  # no copy
 

@@ -35,6 +35,7 @@ from tensorflow.python.distribute import values as values_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import ops
 from tf_adasum.tree import rvh
+from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
 __all__ = [
     "SCOPES",
@@ -139,7 +140,7 @@ def combine_with_communicators(
       values: per value, one tensor per local rank (validated by `check_values`).
       comms: one communicator per local rank, in the order of the components.
       combiner: the pair rule.
-      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `rvh.make_buckets`).
+      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `tf_adasum.tree.buckets.make_buckets`).
 
     With several local ranks this must run inside a `tf.function`: eagerly, the
     first rank's collective would wait forever for the others.
@@ -152,7 +153,7 @@ def combine_with_communicators(
     """
     num_ranks = comms[0].size
     shapes = [v[0].shape for v in values]
-    buckets = rvh.make_buckets(
+    buckets = make_buckets(
         [v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket
     )
     outputs = [[components[local] for components in values] for local in range(len(comms))]
@@ -167,11 +168,11 @@ def combine_with_communicators(
         flats = []
         for local, comm in enumerate(comms):
             with tf.device(comm.device):
-                flats.append(rvh.pack(outputs[local], bucket))
+                flats.append(pack(outputs[local], bucket))
         records = [functools.partial(record, local=local) for local in range(len(comms))]
         for local, (comm, flat) in enumerate(zip(comms, rvh.allreduce(comms, flats, bucket, combiner, records))):
             with tf.device(comm.device):
-                for i, tensor in zip(bucket.indices, rvh.unpack(flat, bucket, shapes)):
+                for i, tensor in zip(bucket.indices, unpack(flat, bucket, shapes)):
                     outputs[local][i] = tensor
     partials = []
     for comm, rank_levels in zip(comms, recorded):

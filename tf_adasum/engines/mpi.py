@@ -32,6 +32,7 @@ from tf_adasum.comm import mpi_communicator, mpi_transport
 from tf_adasum.engines import mpi_native
 from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
 from tf_adasum.tree import rvh
+from tf_adasum.tree.buckets import make_buckets
 
 __all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_names", "check_same_variables"]
 
@@ -141,7 +142,7 @@ class MPIEngine(Engine):
     Args:
       world: `tf_adasum.comm.mpi_transport.World` (see `tf_adasum.engines.select.mpi_world`).
       timeout_seconds: how long an MPI call waits for its peers (0: forever).
-      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `rvh.make_buckets`).
+      bytes_per_bucket: fusion cap (0: one bucket per dtype; see `tf_adasum.tree.buckets.make_buckets`).
       compression: None, or ``"float16"``/``"bfloat16"``: float32 and float64
         buffers travel in that format (`tf_adasum.comm.compression`), through
         the vector-halving driver over mpi4py (the native tree sends full width).
@@ -185,7 +186,7 @@ class MPIEngine(Engine):
         size = comm.Get_size()
         tensors = [combiner.prepare(v[0], size) for v in values]
         shapes = [t.shape for t in tensors]
-        buckets = rvh.make_buckets(
+        buckets = make_buckets(
             [t.dtype for t in tensors], [s.num_elements() for s in shapes], size, self.bytes_per_bucket
         )
         levels = rvh.num_levels(size)

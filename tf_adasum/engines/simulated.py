@@ -31,6 +31,7 @@ from tensorflow.python.distribute import values as values_lib
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.engines.base import Components, Engine, regroup
 from tf_adasum.tree import rvh
+from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
 __all__ = ["CPU", "SimulatedEngine", "components", "per_replica"]
 
@@ -88,7 +89,7 @@ class SimulatedEngine(Engine):
 
     Args:
       num_replicas: N >= 1.
-      bytes_per_pack: the fusion cap of `tf_adasum.tree.rvh.make_buckets` (0: one
+      bytes_per_pack: the fusion cap of `tf_adasum.tree.buckets.make_buckets` (0: one
         bucket per dtype, as `AdasumCrossDeviceOps` by default).
 
     There are no processes to reach: the per-step finite check and the small
@@ -118,15 +119,15 @@ class SimulatedEngine(Engine):
 
     def _combine_implementation(self, values: list[Components], combiner: combiners_lib.Combiner, scope: str):
         shapes = [v[0].shape for v in values]
-        buckets = rvh.make_buckets(
+        buckets = make_buckets(
             [v[0].dtype for v in values], [s.num_elements() for s in shapes], self.num_replicas, self.bytes_per_pack
         )
         combined = [v[0] for v in values]  # empty tensors stay as they are
         with tf.device(CPU):
             for bucket in buckets:
-                flats = [rvh.pack(replica, bucket) for replica in zip(*values)]
+                flats = [pack(replica, bucket) for replica in zip(*values)]
                 result = rvh.reduce_on_one_device(flats, bucket, combiner)
-                for i, tensor in zip(bucket.indices, rvh.unpack(result, bucket, shapes)):
+                for i, tensor in zip(bucket.indices, unpack(result, bucket, shapes)):
                     combined[i] = tensor
         no_partials = tf.zeros([0, len(values), 3], tf.float64)
         return [(c,) * self.num_replicas for c in combined], (no_partials,) * self.num_replicas

@@ -165,7 +165,7 @@ class TFEngine(Engine):
       ranks: the global ranks of this process's replicas (consecutive).
       options: a `tf.distribute.experimental.CommunicationOptions`:
         ``bytes_per_pack`` caps a fused bucket (0: one per dtype; large
-        tensors may travel alone, see `tf_adasum.tree.rvh.make_buckets`),
+        tensors may travel alone, see `tf_adasum.tree.buckets.make_buckets`),
         ``timeout_seconds`` turns a missing peer into an error.
       strategy: the strategy the replicas belong to (for the small exchanges);
         default: the current one.

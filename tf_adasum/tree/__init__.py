@@ -1,1 +1,2 @@
-"""Adasum's tree over any transport: the vector-halving algorithm (ADASUMRVH) and bucket fusion."""
+"""Adasum's tree over any transport: the vector-halving algorithm (ADASUMRVH,
+`rvh`) and the bucket fusion of its buffers (`buckets`)."""
