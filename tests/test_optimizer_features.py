@@ -411,6 +411,13 @@ def test_invalid_arguments(kwargs, error, match):
         tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), **kwargs)
 
 
+def test_settings_are_checked_once_and_fixed():
+    optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(), combiner="mean", mode="gradient")
+    assert (optimizer.combiner, optimizer.mode, optimizer.backward_passes_per_step) == (combiners.Mean(), "gradient", 1)
+    with pytest.raises(AttributeError, match="`mode` is fixed at construction. Received: mode='delta'"):
+        optimizer.mode = "delta"
+
+
 def test_invalid_inner_optimizers():
     with pytest.raises(TypeError, match="Received: inner_optimizer='sgd' of type str"):
         tf_adasum.AdasumOptimizer("sgd")

@@ -32,7 +32,8 @@ from tf_adasum.engines import select
 from tf_adasum.step import adacons as adacons_lib
 from tf_adasum.step import diagnostics as diagnostics_lib
 from tf_adasum.step import keras_step, members
-from tf_adasum.step import settings as optimizer_args
+from tf_adasum.step import settings as settings_lib
+from tf_adasum.step.combine import combine
 from tf_adasum.step.local_steps import LocalSteps
 
 __all__ = ["AdasumOptimizer"]
@@ -110,12 +111,17 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
                 "`inner_optimizer` must not itself be an AdasumOptimizer. "
                 f"Received: inner_optimizer={inner_optimizer!r}"
             )
-        optimizer_args.check_inner(inner_optimizer)
+        settings_lib.check_inner(inner_optimizer)
         keras_step.check_keras_internals(inner_optimizer)
-        combiner = combiners_lib.get(combiner)
-        optimizer_args.check_settings(
-            mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner, compression
+        settings = settings_lib.StepSettings.create(
+            combiner=combiner,
+            mode=mode,
+            backward_passes_per_step=backward_passes_per_step,
+            hierarchical=hierarchical,
+            backend=backend,
+            compression=compression,
         )
+        settings_lib.check_bool("use_ema", use_ema)
         if loss_scale_factor is not None and inner_optimizer.loss_scale_factor is not None:
             raise ValueError(
                 "Set `loss_scale_factor` on the AdasumOptimizer or on `inner_optimizer`, not both. Received: "
@@ -132,14 +138,17 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         )
         inner_optimizer.loss_scale_factor = None  # ours now: nothing is unscaled twice
         self.inner_optimizer = inner_optimizer
-        self.combiner = combiner
-        self.mode = mode
-        self.backward_passes_per_step = backward_passes_per_step
-        self.hierarchical = hierarchical
-        self.backend = backend
-        self.compression = compression
+        self._settings = settings
         self.engine: engines_base.Engine | None = None
         self._diagnostics = diagnostics_lib.Recorder()
+
+    # The settings, checked at construction (`tf_adasum.step.settings.StepSettings`).
+    combiner = settings_lib.Setting()
+    mode = settings_lib.Setting()
+    backward_passes_per_step = settings_lib.Setting()
+    hierarchical = settings_lib.Setting()
+    backend = settings_lib.Setting()
+    compression = settings_lib.Setting()
 
     def build(self, var_list):
         """The wrapper's own: chooses the engine (once), checks that every
@@ -251,17 +260,12 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         tf.cond(all_finite, run, lambda: tf.constant(False))
 
     def _combine(self, per_replica, keras_variables):
-        """Combines per-replica values of `keras_variables` over every replica."""
-        if not self.combiner.pairwise:
-            rows = [self._get_variable_index(v) for v in keras_variables] if self.combiner.per_tensor else [0]
-            restore = self.combiner.restore_magnitude
-            restore = self.mode == "delta" if restore is None else restore
-            combined = adacons_lib.combine(self.engine, per_replica, self.combiner, self._adacons_state, rows, restore)
-            partials = tf.zeros([0, len(per_replica), 3], tf.float64)
-        else:
-            combined, partials = self.engine.combine(per_replica, self.combiner, self.hierarchical, with_partials=True)
+        """Combines per-replica values of `keras_variables` over every replica
+        (`tf_adasum.step.combine`), then records the diagnostics if enabled."""
+        rows = [self._get_variable_index(v) for v in keras_variables]
+        state = self._adacons_state
+        combined, partials = combine(self.engine, per_replica, self._settings, state, rows, with_partials=True)
         if self._diagnostics.variable is not None:
-            rows = [self._get_variable_index(v) for v in keras_variables]
             self._diagnostics.record(self.engine, per_replica, combined, partials, rows)
         return combined
 
@@ -326,8 +330,7 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
     def _after_combine(self, strategy, keras_variables):
         keras_step.apply_constraints(strategy, keras_variables)
         if self.use_ema:
-            local_steps_per_combine = self.backward_passes_per_step if self.mode == "delta" else 1
-            first = self.iterations <= local_steps_per_combine
+            first = self.iterations <= self._settings.local_steps_per_combine
             keras_step.update_ema(self, self._trainable_variables, first)
 
     # -- serialisation -------------------------------------------------------------

@@ -62,7 +62,8 @@ from tf_adasum import combiners as combiners_lib
 from tf_adasum.engines.simulated import CPU, SimulatedEngine, components, per_replica
 from tf_adasum.step import adacons as adacons_lib
 from tf_adasum.step import keras_step
-from tf_adasum.step import settings as optimizer_args
+from tf_adasum.step import settings as settings_lib
+from tf_adasum.step.combine import combine
 
 __all__ = ["SimulatedReplicas"]
 
@@ -104,16 +105,19 @@ class SimulatedReplicas(keras.Model):
             raise ValueError(
                 f"`model` must be built (call it once, or give it an Input). Received: model={model.name!r}"
             )
-        combiner = combiners_lib.get(combiner)
-        optimizer_args.check_settings(mode, backward_passes_per_step, False, "auto", False, combiner, None)
+        self._settings = settings_lib.StepSettings.create(
+            combiner=combiner, mode=mode, backward_passes_per_step=backward_passes_per_step
+        )
         self.model = model
         self.engine = SimulatedEngine(num_replicas)
         self.num_replicas = num_replicas
-        self.combiner = combiner
-        self.mode = mode
-        self.backward_passes_per_step = backward_passes_per_step
         self._state = None
         self.built = True
+
+    # The settings, checked at construction (`tf_adasum.step.settings.StepSettings`).
+    combiner = settings_lib.Setting()
+    mode = settings_lib.Setting()
+    backward_passes_per_step = settings_lib.Setting()
 
     def call(self, inputs: Any, training: bool = False) -> Any:
         return self.model(inputs, training=training)
@@ -137,7 +141,7 @@ class SimulatedReplicas(keras.Model):
                 f"dtype policy. Received: an optimizer wrapped in {type(inner).__name__} "
                 f"(dtype policy {keras.config.dtype_policy().name!r})"
             )
-        optimizer_args.check_inner(inner)
+        settings_lib.check_inner(inner)
         keras_step.check_keras_internals(inner)
         before = {id(v) for v in inner.variables}
         inner.build(self.model.trainable_variables)
@@ -344,14 +348,8 @@ class _ReplicaState:
     def _combine(self, stacked: list[tf.Tensor]) -> list[tf.Tensor]:
         """The combine of per-replica ``[N, ...]`` values; one copy of the result."""
         values = [per_replica(tf.unstack(s)) for s in stacked]
-        combiner, engine = self.trainer.combiner, self.trainer.engine
-        if combiner.pairwise:
-            combined = engine.combine(values, combiner)
-        else:
-            rows = list(range(len(stacked))) if combiner.per_tensor else [0]
-            restore = combiner.restore_magnitude
-            restore = self.trainer.mode == "delta" if restore is None else restore
-            combined = adacons_lib.combine(engine, values, combiner, self.adacons, rows, restore)
+        rows = list(range(len(stacked)))
+        combined = combine(self.trainer.engine, values, self.trainer._settings, self.adacons, rows)
         return [components(c)[0] for c in combined]
 
     def _combine_deltas(self, weights, start):

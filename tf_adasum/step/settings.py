@@ -1,44 +1,115 @@
-"""What `tf_adasum.AdasumOptimizer` accepts: its arguments, checked at construction.
+"""The step's settings, checked once at construction, and the inner optimizer's checks.
 
-Each error names the argument and the value received (`TypeError` for a wrong
-type, `ValueError` for a wrong value), before anything is built.
+`StepSettings.create` validates what `tf_adasum.AdasumOptimizer` and
+`tf_adasum.SimulatedReplicas` share (the combiner, the mode, the local steps per
+combine and the engine's options) and returns one frozen object; nothing
+downstream checks them again. Each error names the argument and the value
+received (`TypeError` for a wrong type, `ValueError` for a wrong value), before
+anything is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import keras
 
+from tf_adasum import combiners as combiners_lib
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines import select
 
-__all__ = ["MODES", "check_inner", "check_settings"]
+__all__ = ["MODES", "Setting", "StepSettings", "check_bool", "check_inner"]
 
 MODES = ("delta", "gradient")
 
 
-def check_settings(mode, backward_passes_per_step, hierarchical, backend, use_ema, combiner, compression) -> None:
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
-        raise TypeError(
-            "`backward_passes_per_step` must be an int. "
-            f"Received: backward_passes_per_step={backward_passes_per_step!r}"
-        )
-    if backward_passes_per_step < 1:
-        raise ValueError(
-            f"`backward_passes_per_step` must be >= 1. Received: backward_passes_per_step={backward_passes_per_step}"
-        )
-    for name, value in (("hierarchical", hierarchical), ("use_ema", use_ema)):
-        if not isinstance(value, bool):
-            raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}")
-    if hierarchical and not combiner.pairwise:
-        raise ValueError(
-            f"`hierarchical=True` is not supported with {combiner!r}: its weights compare every replica "
-            "with the consensus. Received: hierarchical=True"
-        )
-    if backend not in select.BACKENDS:
-        raise ValueError(f"`backend` must be one of {select.BACKENDS}. Received: backend={backend!r}")
-    compression_lib.check_compression(compression)
+def check_bool(name: str, value: Any) -> None:
+    """Raises TypeError naming `name` unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What one training step does; build it with `create`, which checks it.
+
+    Attributes:
+      combiner: the combiner object (`tf_adasum.combiners`).
+      mode: ``"delta"`` (combine the local updates) or ``"gradient"`` (combine
+        the local gradients).
+      backward_passes_per_step: K >= 1 local steps (delta) or averaged
+        gradients (gradient mode) per combine.
+      hierarchical: average each worker's replicas first (pair rules only).
+      backend: the engine asked for (`tf_adasum.engines.select.BACKENDS`).
+      compression: the wire format (`tf_adasum.comm.compression`), or None.
+    """
+
+    combiner: combiners_lib.Combiner
+    mode: str
+    backward_passes_per_step: int
+    hierarchical: bool
+    backend: str
+    compression: str | None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        combiner: str | dict | combiners_lib.Combiner = "adasum",
+        mode: str = "delta",
+        backward_passes_per_step: int = 1,
+        hierarchical: bool = False,
+        backend: str = "auto",
+        compression: str | None = None,
+    ) -> StepSettings:
+        """The settings, each argument checked (the combiner resolved by
+        `tf_adasum.combiners.get`)."""
+        combiner = combiners_lib.get(combiner)
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+            raise TypeError(
+                "`backward_passes_per_step` must be an int. "
+                f"Received: backward_passes_per_step={backward_passes_per_step!r}"
+            )
+        if backward_passes_per_step < 1:
+            raise ValueError(
+                "`backward_passes_per_step` must be >= 1. "
+                f"Received: backward_passes_per_step={backward_passes_per_step}"
+            )
+        check_bool("hierarchical", hierarchical)
+        if hierarchical and not combiner.pairwise:
+            raise ValueError(
+                f"`hierarchical=True` is not supported with {combiner!r}: its weights compare every replica "
+                "with the consensus. Received: hierarchical=True"
+            )
+        if backend not in select.BACKENDS:
+            raise ValueError(f"`backend` must be one of {select.BACKENDS}. Received: backend={backend!r}")
+        compression_lib.check_compression(compression)
+        return cls(combiner, mode, backward_passes_per_step, hierarchical, backend, compression)
+
+    @property
+    def local_steps_per_combine(self) -> int:
+        """Inner steps between two combines: K in delta mode, 1 in gradient mode."""
+        return self.backward_passes_per_step if self.mode == "delta" else 1
+
+
+class Setting:
+    """A read-only attribute of a class holding a `StepSettings` as ``_settings``:
+    ``combiner = Setting()`` reads ``self._settings.combiner``. Settings are
+    fixed at construction (they were checked then)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return getattr(instance._settings, self.name)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        raise AttributeError(f"`{self.name}` is fixed at construction. Received: {self.name}={value!r}")
 
 
 def check_inner(inner) -> None:
