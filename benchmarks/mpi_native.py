@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     if args.role == "rank":
         return _rank(args)
-    from tf_adasum.comm.mpi_transport import mpirun_command
+    from tf_adasum.launcher.mpirun import mpirun_command
 
     # Build once here, so that the ranks only load the library.
     subprocess.run([sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"], check=True, capture_output=True)

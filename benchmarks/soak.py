@@ -213,7 +213,7 @@ def _spawn(engine: str, n: int, args) -> list[dict]:
     if engine == "workers":
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), script, "--engine", "workers-worker"]
     else:
-        from tf_adasum.comm.mpi_transport import mpirun_command
+        from tf_adasum.launcher.mpirun import mpirun_command
 
         command = mpirun_command(n) + [sys.executable, script, "--engine", "mpi-rank"]
     result = subprocess.run(command + _forwarded_args(args), capture_output=True, text=True)

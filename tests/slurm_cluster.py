@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 
-from tf_adasum import launch
+from tf_adasum.launcher.tf_config import free_ports
 
 #: The programs the cluster needs, and what to install where they are missing.
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "srun")
@@ -65,7 +65,7 @@ class SlurmCluster:
         with open(self._path("munge", "munge.key"), "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(self._path("munge", "munge.key"), 0o400)
-        controller_port, node_port = launch.free_ports(2)
+        controller_port, node_port = free_ports(2)
         config = f"""\
 ClusterName=tfadasumtest
 SlurmctldHost=localhost(127.0.0.1)

@@ -27,7 +27,7 @@ from simulation import data as simulation_data
 
 import tf_adasum
 from tf_adasum import backup
-from tf_adasum.comm import mpi_transport
+from tf_adasum.launcher.mpirun import mpirun_command
 
 BACKUP_WORKER = os.path.join(TESTS, "workers", "backup_worker.py")
 EPOCHS, STEPS = 4, 3
@@ -220,7 +220,7 @@ LINK_FAULT_TIMEOUT = 20
 def _launch(engine, step, out):
     env = worker_env()
     if engine == "mpi":
-        command = mpi_transport.mpirun_command(2) + [sys.executable]
+        command = mpirun_command(2) + [sys.executable]
     else:
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
     if engine in LINK_FAULTS:

@@ -148,7 +148,7 @@ def test_hosts_have_their_own_addresses_and_links_limited_both_ways(tmp_path):
         assert "tbf" in r["qdisc"] and "rate 10Mbit" in r["qdisc"], r
     assert reports[0]["net"] == reports[1]["net"] != reports[2]["net"] == reports[3]["net"]
     assert reports[0]["net"] != os.readlink("/proc/self/ns/net")
-    burst = 64 * 1024 + 1514  # what a full bucket lets through at once (_cluster_network._token_bucket)
+    burst = 64 * 1024 + 1514  # what a full bucket lets through at once (launcher/helper.py's _token_bucket)
     floor = 2 * (nbytes - burst) * 8 / 10e6
     assert reports[0]["round_trip_seconds"] > floor, reports[0]
     notice = [line for line in stderr.splitlines() if line.startswith("tf-adasum launch:")]
@@ -213,7 +213,7 @@ def test_a_hosts_link_limits_what_it_receives_from_several_hosts(tmp_path):
     stdout, stderr = _communicate(launcher, 120)
     assert launcher.returncode == 0, stdout + stderr
     seconds = json.loads((tmp_path / "worker0.json").read_text())["seconds"]
-    burst = 64 * 1024 + 1514  # what a full bucket lets through at once (_cluster_network._token_bucket)
+    burst = 64 * 1024 + 1514  # what a full bucket lets through at once (launcher/helper.py's _token_bucket)
     assert seconds > (2 * nbytes - burst) * 8 / 10e6, seconds
 
 

@@ -14,6 +14,7 @@ from multiprocess import TESTS, worker_env
 
 from tf_adasum.comm import cluster, collective, mpi_transport
 from tf_adasum.engines import select
+from tf_adasum.launcher.mpirun import mpirun_command
 
 RECIPE = f"{TESTS}/workers/mpi_recipe.py"
 
@@ -106,7 +107,7 @@ def test_mpi_below_serialized_threads_is_an_error(monkeypatch):
 
 
 def _mpirun_recipe(fault, timeout):
-    command = mpi_transport.mpirun_command(2) + [sys.executable, RECIPE, fault]
+    command = mpirun_command(2) + [sys.executable, RECIPE, fault]
     start = time.monotonic()
     result = subprocess.run(
         command, env=worker_env(TF_ADASUM_MPI_TIMEOUT=str(timeout)), capture_output=True, text=True, timeout=300

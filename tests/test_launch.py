@@ -20,9 +20,10 @@ import time
 import pytest
 
 from tf_adasum import launch
+from tf_adasum.launcher import processes
 
 LAUNCH_PY = launch.__file__
-BOOTSTRAP_PY = launch.BOOTSTRAP
+HELPER_PY = processes.HELPER
 
 #: A worker without TensorFlow: starts a child, writes "pid child_pid", sleeps.
 _SLEEPER = textwrap.dedent(
@@ -132,7 +133,7 @@ def _start(tmp_path, script_text, *options, prefix=()):
 def _private_network_refusal() -> str | None:
     """Why this system refuses the private network, or None when it allows it."""
     try:
-        for fd in launch._private_network():
+        for fd in processes.private_network():
             os.close(fd)
     except launch.NetworkIsolationError as error:
         return str(error)
@@ -146,7 +147,7 @@ def _unshare_works(*options: str) -> bool:
 
 
 def test_launcher_imports_only_the_standard_library():
-    for path, args in ((LAUNCH_PY, ["--help"]), (BOOTSTRAP_PY, ["network", "1", "extra"])):
+    for path, args in ((LAUNCH_PY, ["--help"]), (HELPER_PY, ["network", "1", "extra"])):
         result = subprocess.run([sys.executable, "-I", "-S", path, *args], capture_output=True, text=True, timeout=60)
         assert "ModuleNotFoundError" not in result.stderr, result.stderr
         assert result.returncode == (0 if path == LAUNCH_PY else 1), result.stderr

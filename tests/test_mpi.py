@@ -24,6 +24,7 @@ import tf_adasum.mpi
 from tf_adasum import reference
 from tf_adasum.comm import mpi_transport
 from tf_adasum.engines import select
+from tf_adasum.launcher.mpirun import mpirun_command
 
 #: MPI call timeout for the failure tests (seconds).
 FAILURE_TIMEOUT = 10
@@ -31,7 +32,7 @@ FAILURE_TIMEOUT = 10
 
 def _run(n, tasks, out, **env):
     try:
-        command = mpi_transport.mpirun_command(n)
+        command = mpirun_command(n)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     command += [sys.executable, WORKER, tasks, str(out)]

@@ -16,8 +16,8 @@ from conftest import TOLERANCE, relative_error
 from multiprocess import TESTS, build_native_mpi_ops, load_worker, worker_env
 
 from tf_adasum import reference
-from tf_adasum.comm import mpi_transport
 from tf_adasum.engines import mpi_native
+from tf_adasum.launcher.mpirun import mpirun_command
 
 WORKER = os.path.join(TESTS, "workers", "mpi_native_worker.py")
 
@@ -35,7 +35,7 @@ def built_library():
 
 def _mpirun(n: int, *args: str) -> None:
     try:
-        command = mpi_transport.mpirun_command(n)
+        command = mpirun_command(n)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     command += [sys.executable, WORKER, *args]

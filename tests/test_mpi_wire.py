@@ -19,7 +19,7 @@ from multiprocess import TESTS, build_native_mpi_ops, load_worker, worker_env
 
 import tf_adasum.mpi
 from tf_adasum import reference
-from tf_adasum.comm import mpi_transport
+from tf_adasum.launcher.mpirun import mpirun_command
 
 WORKER = os.path.join(TESTS, "workers", "mpi_wire_worker.py")
 worker = load_worker(WORKER)
@@ -31,7 +31,7 @@ def reports(tmp_path_factory):
     built = build_native_mpi_ops()
     out = tmp_path_factory.mktemp("wire")
     try:
-        command = mpi_transport.mpirun_command(2)
+        command = mpirun_command(2)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     # A short MPI deadline: a rank left waiting (the bugs these tests guard against) fails the launch quickly.
@@ -102,7 +102,7 @@ def test_mpi4py_path_where_only_the_last_of_three_ranks_differs_fails_every_rank
     """One agreement over the whole communicator, not one per pair: ranks 0
     and 1 (whose pair agrees) raise as soon as rank 2 does, with its message."""
     try:
-        command = mpi_transport.mpirun_command(3)
+        command = mpirun_command(3)
     except FileNotFoundError as error:
         pytest.fail(str(error))
     result = subprocess.run(

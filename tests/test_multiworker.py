@@ -24,6 +24,7 @@ from multiprocess import (
 )
 
 from tf_adasum import launch, reference
+from tf_adasum.launcher import tf_config
 
 pytestmark = pytest.mark.multiworker
 
@@ -123,7 +124,7 @@ def _start_cluster(n, task, out, **env):
     """The workers of a localhost cluster, started directly (no launcher);
     worker i's output goes to ``out/worker{i}.log``."""
     workers = []
-    for index, config in enumerate(launch.cluster_configs(n)):
+    for index, config in enumerate(tf_config.cluster_configs(n)):
         with open(os.path.join(out, f"worker{index}.log"), "w") as log:
             workers.append(
                 subprocess.Popen(

@@ -24,7 +24,7 @@ from multiprocess import WORKER, worker, worker_env
 from simulation import BATCH, IN, OUT, data
 
 import tf_adasum
-from tf_adasum.comm import mpi_transport
+from tf_adasum.launcher.mpirun import mpirun_command
 from tf_adasum.step.members import FORWARDED, MEMBERS, OWN, REFUSED, ForwardedToInner
 
 KERAS_OPTIMIZER = keras.optimizers.Optimizer
@@ -249,7 +249,7 @@ def _process_command(launcher, n):
     if launcher == "tf-adasum launch":
         return [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), WORKER]
     try:
-        return mpi_transport.mpirun_command(n) + [sys.executable, WORKER]
+        return mpirun_command(n) + [sys.executable, WORKER]
     except FileNotFoundError as error:
         pytest.fail(str(error))
 

@@ -15,7 +15,8 @@ import pytest
 from multiprocess import WORKER, check_collective, check_train, worker_env
 from slurm_cluster import SlurmCluster, refusal
 
-from tf_adasum import launch, reference
+from tf_adasum import reference
+from tf_adasum.launcher.mpirun import find_mpirun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
@@ -38,7 +39,7 @@ def slurm():
 
 def _job_env(**extra) -> dict:
     """What the job's tasks see: this Python and its `tf-adasum`, the project's mpirun, quiet TF."""
-    mpirun = launch.find_mpirun()
+    mpirun = find_mpirun()
     env = worker_env(PYTHON=sys.executable, **extra)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # as in an activated environment
     if mpirun:
@@ -62,7 +63,7 @@ def _pmix_refusal(slurm) -> str | None:
 
 
 def test_mpi_template_trains_under_mpirun_in_the_allocation(slurm, tmp_path):
-    if launch.find_mpirun() is None:
+    if find_mpirun() is None:
         pytest.fail("mpirun was not found beside this Python or on PATH (the `mpi` extra installs Open MPI)")
     _submit(slurm, "mpi.sbatch", "collective,train", tmp_path)
     check_collective(tmp_path, 2)

@@ -1,4 +1,4 @@
-"""`tf_adasum.tf_config`: TF_CONFIG from Slurm's variables (no Slurm needed:
+"""`tf_adasum.launcher.tf_config`: TF_CONFIG from Slurm's variables (no Slurm needed:
 node lists are expanded by a stand-in for ``scontrol show hostnames``; the
 real one runs in tests/test_slurm.py)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tf_adasum import tf_config
+from tf_adasum.launcher import tf_config
 
 NODES = {"node[01-03],gpu7": ["node01", "node02", "node03", "gpu7"], "vm": ["vm"]}
 

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_main(argv[1:])
     if argv[:1] == ["tf-config"]:  # and TF_CONFIG's from a scheduler (tf-adasum tf-config --help)
-        from tf_adasum.tf_config import main as tf_config_main
+        from tf_adasum.launcher.tf_config import main as tf_config_main
 
         return tf_config_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tf-adasum", description=__doc__)

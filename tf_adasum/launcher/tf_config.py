@@ -1,9 +1,10 @@
-"""``TF_CONFIG`` for this process from a scheduler's environment (Slurm, Kubernetes).
+"""Each worker's ``TF_CONFIG``: the launcher's workers', and this process's from a scheduler's environment.
 
 A `tf.distribute.MultiWorkerMirroredStrategy` script reads its cluster from
-``TF_CONFIG`` (as under `tf-adasum launch`); a scheduler announces the cluster
-in variables of its own. This module turns one into the other, so the same
-script runs under each scheduler unchanged:
+``TF_CONFIG``. `tf-adasum launch` hands one to each of its workers
+(`cluster_configs`); a scheduler announces the cluster in variables of its
+own, which this module turns into one, so the same script runs under each
+scheduler unchanged:
 
 * ``slurm``: a task of an ``srun`` step. Worker i is task i (``SLURM_PROCID``);
   the step's nodes (``SLURM_STEP_NODELIST``, expanded by ``scontrol show
@@ -31,9 +32,11 @@ without loading TensorFlow (examples/slurm/multiworker.sbatch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -42,16 +45,46 @@ __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_PORT_BASE",
     "SchedulerError",
+    "cluster_configs",
+    "free_ports",
     "from_kubernetes",
     "from_slurm",
     "main",
     "tasks_per_node",
+    "worker_config",
 ]
 
 #: The first port on each node (TF's SlurmClusterResolver uses the same).
 DEFAULT_PORT_BASE = 8888
 #: Every pod's worker port (the one Kubeflow's TFJob uses).
 DEFAULT_PORT = 2222
+
+
+def worker_config(workers: Sequence[str], index: int) -> dict:
+    """The ``TF_CONFIG`` (as a dict) of worker `index` of the cluster `workers` (``host:port`` each)."""
+    return {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}}
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that were free on localhost a moment ago."""
+    with contextlib.ExitStack() as stack:
+        sockets = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("localhost", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def cluster_configs(
+    num_workers: int, ports: Sequence[int] | None = None, hosts: Sequence[str] | None = None
+) -> list[str]:
+    """The ``TF_CONFIG`` of each worker (worker 0 is the chief): worker i at
+    ``hosts[i]:ports[i]`` (default: localhost, free ports)."""
+    ports = list(ports) if ports is not None else free_ports(num_workers)
+    hosts = list(hosts) if hosts is not None else ["localhost"] * num_workers
+    workers = [f"{host}:{port}" for host, port in zip(hosts, ports)]
+    return [json.dumps(worker_config(workers, i)) for i in range(num_workers)]
 
 
 class SchedulerError(ValueError):
@@ -126,7 +159,7 @@ def from_slurm(
         raise SchedulerError(
             f"SLURM_PROCID is not one of the step's {len(workers)} tasks. Received: SLURM_PROCID={rank}"
         )
-    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+    return worker_config(workers, rank)
 
 
 def _check_port(name: str, port, tasks: int = 1) -> None:
@@ -159,8 +192,7 @@ def from_kubernetes(
         raise SchedulerError(
             f"JOB_COMPLETION_INDEX must be below `workers` ({workers}). Received: JOB_COMPLETION_INDEX={index}"
         )
-    hosts = [f"{job}-{i}.{service}:{port}" for i in range(workers)]
-    return {"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}}
+    return worker_config([f"{job}-{i}.{service}:{port}" for i in range(workers)], index)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

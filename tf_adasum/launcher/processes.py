@@ -1,0 +1,169 @@
+"""The launcher's side of its processes: the helper started, its namespaces received, the workers run and stopped.
+
+Every process the launcher starts runs under `helper.py` in this folder (by
+path, with ``python -I -S``; its docstring describes the roles): as the
+supervisor of a worker, or as the maker of a private network or of emulated
+hosts, whose namespaces this side receives as descriptors. Standard library
+only, and nothing of ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+#: Seconds a stopped worker gets between SIGTERM and SIGKILL.
+GRACE_SECONDS = 5.0
+#: The helper program (run by path, never imported by the processes it starts).
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helper.py")
+
+
+class NetworkIsolationError(OSError):
+    """The system refused the network namespaces ``isolate_network=True`` or
+    ``hosts=H`` ask for (or, with ``mpirun=True``, there is no root or no mpirun)."""
+
+
+class Child(NamedTuple):
+    """One process the launcher runs under a supervisor: its command and
+    environment, the prefix of its output lines, and descriptors of the user
+    and network namespaces it joins (none: the launcher's)."""
+
+    command: Sequence[str]
+    env: Mapping[str, str]
+    prefix: str
+    joins: Sequence[int] = ()
+
+
+def helper_command(role: str, *args: str) -> list[str]:
+    """The helper in `role`; the roles that watch the launcher are given its process id."""
+    watched = [str(os.getpid())] if role in ("worker", "network", "hosts") else []
+    return [sys.executable, "-I", "-S", HELPER, role, *watched, *args]
+
+
+def private_network() -> list[int]:
+    """Makes a network namespace holding only loopback; returns descriptors of its user namespace and of it."""
+    try:
+        fds, _ = _namespaces("network", what="a private network namespace for the workers")
+    except NetworkIsolationError as error:
+        raise NetworkIsolationError(
+            f"{error}. Run as root (CAP_SYS_ADMIN) or where unprivileged user namespaces are allowed, "
+            "or run without it on a private network or behind a firewall."
+        ) from None
+    return fds
+
+
+def emulated_hosts(hosts: int, link: str | None) -> tuple[list[int], list[str]]:
+    """Makes `hosts` hosts joined by `link`-rate links; returns descriptors
+    (user namespace, switch, host 0, ...) and the hosts' addresses."""
+    return _namespaces("hosts", str(hosts), link or "none", what=f"{hosts} emulated hosts")
+
+
+def _namespaces(role: str, *args: str, what: str) -> tuple[list[int], list[str]]:
+    """Runs the helper in a maker's `role`; returns descriptors of the namespaces
+    it made (opened through its ``/proc/PID/fd``) and the addresses named with them."""
+    if not sys.platform.startswith("linux"):
+        raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
+    holder = subprocess.Popen(
+        helper_command(role, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        answer = holder.stdout.readline().strip()
+        if answer.split()[:1] != ["ready"]:
+            raise NetworkIsolationError(f"cannot create {what} ({answer.removeprefix('error: ') or 'no answer'})")
+        words, fds = answer.split()[1:], []
+        try:
+            for word in words:
+                fds.append(os.open(f"/proc/{holder.pid}/fd/{word.split('@')[0]}", os.O_RDONLY))
+        except OSError as error:
+            for fd in fds:
+                os.close(fd)
+            raise NetworkIsolationError(f"cannot open the namespaces of {what} ({error})") from None
+    finally:
+        holder.stdin.close()  # the holder exits; its namespaces live on in our descriptors
+        holder.stdout.close()
+        try:
+            holder.wait(GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            holder.kill()
+            holder.wait()
+    return fds, [word.split("@")[1] for word in words if "@" in word]
+
+
+def _forward(stream, prefix: str, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
+        with lock:
+            sys.stdout.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
+            sys.stdout.flush()
+    stream.close()
+
+
+def stop(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM each running process's group, then SIGKILL what is left."""
+    running = [p for p in processes if p.poll() is None]
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for process in running:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
+        # The group may hold children even after its leader exited.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def run(children: Sequence[Child], release: Sequence[int] = ()) -> int:
+    """Runs every child under its supervisor, each output line prefixed,
+    until one fails or all exit 0; then stops the rest (`stop`).
+
+    `release`: descriptors to close once every child holds its namespaces (at
+    the latest when this returns).
+
+    Returns:
+      0, or the first non-zero exit code observed (128 + S for signal S).
+    """
+    lock = threading.Lock()
+    processes, threads, release = [], [], list(release)
+    try:
+        for child in children:
+            network_args = ["--network", *map(str, child.joins)] if child.joins else []
+            process = subprocess.Popen(
+                helper_command("worker", *network_args, "--", *child.command),
+                env=dict(child.env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so `stop` (and its supervisor) reach its children
+                pass_fds=child.joins,
+            )
+            processes.append(process)
+            thread = threading.Thread(target=_forward, args=(process.stdout, child.prefix, lock), daemon=True)
+            thread.start()
+            threads.append(thread)
+        while release:
+            os.close(release.pop())
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or None not in codes:
+                code = failed[0] if failed else 0
+                break
+            time.sleep(0.1)
+    finally:
+        stop(processes)
+        for fd in release:
+            os.close(fd)
+    for thread in threads:
+        thread.join(timeout=GRACE_SECONDS)
+    return 128 - code if code < 0 else code
