@@ -3,6 +3,7 @@ load or follow, its bounded waits, and its flags. No compile here: the cache
 entries are made by hand where the build would look (or already exist)."""
 
 import os
+import shutil
 import time
 
 import pytest
@@ -139,6 +140,30 @@ def test_sources_compile_with_warnings_on_and_hardening_where_available():
     assert set(compile_flags) <= set(command) and set(link_flags) <= set(link)
     if "GCC" in native_build.compiler()[1] or "g++" in command[0]:
         assert "-fstack-protector-strong" in command and "-Wl,-z,relro,-z,now" in link
+
+
+@pytest.mark.parametrize("source", ["adasum_cpu_ops.cc", "adasum_mpi_ops.cc"])
+def test_a_change_in_any_header_of_the_folder_is_a_new_cache_key(monkeypatch, tmp_path, source):
+    """The libraries include headers beside their .cc (adasum_kernels.h,
+    adasum_mpi_tree.h, ...): an edit of any of them must rebuild, never load a
+    library built from the old text."""
+    sources = tmp_path / "native"
+    shutil.copytree(native_build.SOURCES, sources, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(native_build, "SOURCES", sources)
+    monkeypatch.setenv("TF_ADASUM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def key():
+        return native_build._plan(source, "library.so", (), (), "")[2].parent.name
+
+    headers = sorted(sources.glob("*.h"))
+    assert {"adasum_kernels.h", "adasum_mpi_tree.h", "adasum_compression.h"} <= {h.name for h in headers}
+    before = key()
+    for header in headers:
+        text = header.read_bytes()
+        header.write_bytes(text + b"\n")
+        assert key() != before, header.name
+        header.write_bytes(text)
+    assert key() == before
 
 
 def test_the_built_libraries_compiled_without_warnings():

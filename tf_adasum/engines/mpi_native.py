@@ -1,7 +1,8 @@
 """Native MPI ops: the whole Adasum tree of one bucket in one TensorFlow op.
 
-A C++ op library (``tf_adasum/native/adasum_mpi_ops.cc``) compiled on first
-use against the installed TensorFlow and the MPI library that mpi4py loaded
+A C++ op library (``tf_adasum/native/adasum_mpi_ops.cc``, with the tree's
+algorithm in ``adasum_mpi_tree.h`` beside it) compiled on first use against
+the installed TensorFlow and the MPI library that mpi4py loaded
 (`tf_adasum.native.build`), cached under
 ``~/.cache/tf_adasum/tf_adasum_mpi_ops/<hash>/`` (``TF_ADASUM_CACHE_DIR``
 overrides ``~/.cache/tf_adasum``) and loaded with `tf.load_op_library`. Its

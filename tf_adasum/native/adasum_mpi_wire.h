@@ -1,17 +1,15 @@
 // MPI plumbing of tf_adasum's native MPI ops (adasum_mpi_ops.cc): handles
 // and errors, failed communicators, the Waiter that polls requests against a
 // deadline and gives them up cleanly, and the Messages that carry a range of
-// the fused tensors.
-//
-// Included inside adasum_mpi_ops.cc's anonymous namespace (as
-// adasum_kernels.h is), after <mpi.h>, the standard and TensorFlow headers,
-// the `using` declarations and kMaxMessageBytes.
+// the fused tensors. Included inside adasum_mpi_ops.cc's anonymous namespace
+// (as its other headers are), after <mpi.h>, the standard and TensorFlow
+// headers, the `using` declarations and kMaxMessageBytes.
 
 #ifndef TF_ADASUM_NATIVE_ADASUM_MPI_WIRE_H_
 #define TF_ADASUM_NATIVE_ADASUM_MPI_WIRE_H_
 
 // ---------------------------------------------------------------------------
-// MPI plumbing: handles, errors, deadlines.
+// Handles, errors, deadlines.
 
 template <typename C>
 C HandleAs(int64_t handle) {
@@ -134,8 +132,8 @@ void AdviseHugePages(void* data, int64_t bytes) {
 #endif
 }
 
-// Deadlines missed in this process: read at exit (tf_adasum.comm.mpi) to end
-// the MPI job instead of waiting for stuck peers at MPI_Finalize.
+// Deadlines missed in this process: read at exit (comm/mpi_transport.py) to
+// end the MPI job instead of waiting for stuck peers at MPI_Finalize.
 std::atomic<int> g_deadlines_missed{0};
 
 // What a receive must have received (MPI_Get_count): `count` of `type`; a

@@ -1,17 +1,20 @@
 """Builds tf_adasum's C++ TensorFlow op libraries and keeps them in a cache.
 
 The sources are in ``tf_adasum/native/``: ``adasum_cpu_ops.cc`` (the CPU
-kernels of `tf_adasum.ops`), ``adasum_mpi_ops.cc`` (the MPI engine's ops,
-`tf_adasum.engines.mpi_native`, with their MPI plumbing in
-``adasum_mpi_wire.h``) and ``adasum_kernels.h``, the arithmetic both share.
-A library is compiled on first use with the C++ compiler (``CXX``, default
-``g++``) against the installed TensorFlow, into
+kernels of `tf_adasum.ops`; the compressed wire's in
+``adasum_compression.h``), ``adasum_mpi_ops.cc`` (the MPI engine's ops,
+`tf_adasum.engines.mpi_native`: the tree's algorithm in
+``adasum_mpi_tree.h``, the sum and the gather in ``adasum_mpi_collectives.h``,
+their MPI plumbing in ``adasum_mpi_wire.h``) and ``adasum_kernels.h``, the
+arithmetic both share. A library is compiled on first use with the C++
+compiler (``CXX``, default ``g++``) against the installed TensorFlow, into
 ``~/.cache/tf_adasum/<library>/<hash>/`` (``TF_ADASUM_CACHE_DIR`` replaces
-``~/.cache/tf_adasum``), keyed by the sources, TensorFlow's version, the
-command line, the compiler's version and what the caller adds (the MPI
-library). Processes starting together compile it once: the others wait on a
-lock file. ``python -m tf_adasum.native.build`` builds the CPU kernels ahead
-of time (``make install`` does) and prints their path.
+``~/.cache/tf_adasum``), keyed by the sources (its ``.cc`` and every header
+of the folder), TensorFlow's version, the command line, the compiler's
+version and what the caller adds (the MPI library). Processes starting
+together compile it once: the others wait on a lock file. ``python -m
+tf_adasum.native.build`` builds the CPU kernels ahead of time (``make
+install`` does) and prints their path.
 
 The cache may sit on a shared path, so what is loaded from it is checked
 first: a library (and its folder) must be a regular file (folder) owned by
