@@ -11,6 +11,7 @@ reason, where this system refuses network namespaces.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,6 +216,35 @@ def test_a_hosts_link_limits_what_it_receives_from_several_hosts(tmp_path):
     seconds = json.loads((tmp_path / "worker0.json").read_text())["seconds"]
     burst = 64 * 1024 + 1514  # what a full bucket lets through at once (launcher/helper.py's _token_bucket)
     assert seconds > (2 * nbytes - burst) * 8 / 10e6, seconds
+
+
+def _unprivileged_user_namespaces() -> bool:
+    command = ["unshare", "--user", "--map-user=65534", "--map-group=65534", "true"]
+    return shutil.which("unshare") is not None and subprocess.run(command, capture_output=True).returncode == 0
+
+
+@needs_emulated_hosts
+@pytest.mark.skipif(not _unprivileged_user_namespaces(), reason="needs unshare --map-user")
+def test_hosts_without_privileges_are_made_in_a_user_namespace(tmp_path):
+    """As uid 65534 without capabilities (inside ``unshare --user``), the
+    launcher makes the hosts inside a user namespace of its own."""
+    script = tmp_path / "worker.py"
+    script.write_text(_PROBE)
+    command = ["unshare", "--user", "--map-user=65534", "--map-group=65534", sys.executable, LAUNCH_PY]
+    command += ["-n", "2", "--hosts", "2", "--link", "100mbit", str(script), str(tmp_path), "1000"]
+    launcher = subprocess.Popen(command, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for([tmp_path / f"worker{i}.json" for i in range(2)], launcher, 120)
+        reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
+        (tmp_path / "release").touch()
+        stdout, stderr = _communicate(launcher, 60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, stdout + stderr
+    assert [r["addresses"] for r in reports] == [["127.0.0.1", "10.241.0.1"], ["127.0.0.1", "10.241.0.2"]]
+    assert all("rate 100Mbit" in r["qdisc"] for r in reports), reports
 
 
 @needs_emulated_hosts

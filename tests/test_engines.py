@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import mirrored
 from multiprocess import TESTS, worker_env
 
-from tf_adasum.comm import cluster, collective, mpi_transport
+from tf_adasum.comm import cluster, collective_keys, mpi_transport
 from tf_adasum.engines import select
 from tf_adasum.launcher.mpirun import mpirun_command
 
@@ -63,7 +63,7 @@ def test_mpirun_with_a_one_process_strategy_is_still_refused(monkeypatch):
 
 def test_group_keys_depend_only_on_the_devices():
     devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(2)]
-    fresh, used = collective.CollectiveKeys(), collective.CollectiveKeys()
+    fresh, used = collective_keys.CollectiveKeys(), collective_keys.CollectiveKeys()
     used.group_key(["/job:localhost/replica:0/task:0/device:CPU:5", "/job:localhost/replica:0/task:0/device:CPU:6"])
     used.fallback_keys(["/job:localhost/replica:0/task:0/device:CPU:5"])
     assert used.group_key(devices) == fresh.group_key(devices) == fresh.group_key(list(reversed(devices)))

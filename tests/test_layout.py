@@ -23,12 +23,15 @@ LAYERS = {
     "tree.buckets": 2.75,  # over ops: below the tree
     "tree.rvh": 3,
     "comm.cluster": 2.5,  # reads device strings and cluster specs: below every transport
-    "comm.collective": 3,
+    "comm.collective": 3,  # over comm.cluster and comm.collective_keys
+    "comm.collective_keys": 2.5,  # group and instance keys: below every transport that draws them
     "comm.compression": 3,
     "comm.ordering": 3,
     "comm.mpi_transport": 3.5,  # over comm.ordering
-    "comm.sockets": 3.5,  # over comm.ordering
-    "comm.socket_communicator": 3.75,  # over comm.sockets and comm.collective's keys
+    "comm.sockets": 3.5,  # over comm.ordering and comm.socket_link
+    "comm.socket_link": 3,  # below comm.sockets
+    "comm.socket_communicator": 3.75,  # over comm.sockets and comm.collective_keys
+    "comm.socket_setup": 3.75,  # over comm.sockets: the socket transport's settings and set-up
     "comm.socket_listener": 3,  # below comm.sockets
     "comm.mpi_communicator": 3.75,  # over comm.mpi_transport
     "engines.base": 4,

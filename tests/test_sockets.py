@@ -1,12 +1,12 @@
-"""The socket mesh between worker processes (`tf_adasum.comm.sockets`), its
-processes played by meshes in this process over loopback. The tree over it,
+"""The socket mesh between worker processes (`tf_adasum.comm.sockets`) and
+its links (`tf_adasum.comm.socket_link`), its processes played by meshes in
+this process over loopback. The tree over it,
 against the reference, runs across real worker processes in
 `test_multiworker.py`."""
 
 import socket
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -15,12 +15,11 @@ from conftest import TOLERANCE, relative_error
 
 from tf_adasum import combiners, reference
 from tf_adasum.comm import socket_communicator, socket_listener, sockets
-from tf_adasum.engines import tf as tf_engine
 from tf_adasum.engines.base import combine_with_communicators
 
 
 def _meshes(count, timeout=30.0):
-    listeners = [sockets.Listener() for _ in range(count)]
+    listeners = [socket_listener.Listener() for _ in range(count)]
     addresses = [("127.0.0.1", listener.port) for listener in listeners]
     tokens = [listener.token for listener in listeners]
     return [sockets.Mesh(listener, i, addresses, tokens, timeout) for i, listener in enumerate(listeners)]
@@ -176,7 +175,7 @@ def test_a_closed_connection_fails_every_wait_on_it():
     second.link(0, time.monotonic() + 10)
     waiting = _started(lambda: second.exchange(0, 4, None, 8, "a test"))
     _waiting(second, 0, 4)
-    link._fail(tf.errors.UnavailableError(None, None, "closed by the test"))  # as a dying process closes it
+    link.fail(tf.errors.UnavailableError(None, None, "closed by the test"))  # as a dying process closes it
     error = waiting()
     assert isinstance(error, tf.errors.UnavailableError) and "a worker failed or left" in str(error)
     with pytest.raises(tf.errors.UnavailableError):
@@ -207,7 +206,7 @@ def test_one_failed_link_fails_the_whole_mesh(rng):
     meshes[2].link(0, time.monotonic() + 10)
     waiting = _started(lambda: meshes[2].exchange(0, 1, None, 8, "a test"))
     _waiting(meshes[2], 0, 1)
-    meshes[0].link(1, None)._fail(tf.errors.UnavailableError(None, None, "link 0-1 failed in the test"))
+    meshes[0].link(1, None).fail(tf.errors.UnavailableError(None, None, "link 0-1 failed in the test"))
     # Process 0's other link fails too (its step's messages there are now unmatched), and so does its peer's wait.
     with pytest.raises(tf.errors.UnavailableError, match="link 0-1 failed in the test"):
         meshes[0].exchange(2, 1, _bytes(rng, 8), None, "a test")
@@ -215,7 +214,7 @@ def test_one_failed_link_fails_the_whole_mesh(rng):
 
 
 def test_a_connection_the_peer_refuses_is_an_error():
-    listeners = [sockets.Listener() for _ in range(2)]
+    listeners = [socket_listener.Listener() for _ in range(2)]
     addresses = [("127.0.0.1", listener.port) for listener in listeners]
     sockets.Mesh(listeners[1], 1, addresses, [0, listeners[1].token])
     wrong = sockets.Mesh(listeners[0], 0, addresses, [listeners[0].token, listeners[1].token ^ 1], timeout_seconds=10)
@@ -224,7 +223,7 @@ def test_a_connection_the_peer_refuses_is_an_error():
 
 
 def test_mesh_arguments_are_checked():
-    listener = sockets.Listener()
+    listener = socket_listener.Listener()
     with pytest.raises(ValueError, match="Received: index=2, 2 tokens"):
         sockets.Mesh(listener, 2, [("127.0.0.1", 1), ("127.0.0.1", 2)], [1, 2])
 
@@ -235,59 +234,8 @@ def test_peer_must_be_another_process():
         mesh.link(0, None)
 
 
-def test_worker_transport_variable(monkeypatch):
-    monkeypatch.delenv("TF_ADASUM_WORKER_TRANSPORT", raising=False)
-    assert tf_engine.worker_transport() == "sockets"
-    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "collective")
-    assert tf_engine.worker_transport() == "collective"
-    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "grpc")
-    with pytest.raises(ValueError, match="Received: TF_ADASUM_WORKER_TRANSPORT='grpc'"):
-        tf_engine.worker_transport()
-
-
-def test_a_transport_set_differently_on_the_workers_is_an_error(monkeypatch):
-    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(2)]
-    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "collective")
-    engine = tf_engine.TFEngine(devices, (0,), strategy=object())
-    variables = [tf.Variable(tf.zeros([3]))]
-
-    def summed(strategy, values, timeout):  # this worker's values, and 'sockets' on the other
-        return [2 * values[0], values[1] + 1.0] + [2 * v for v in values[2:]]
-
-    monkeypatch.setattr(tf_engine, "sum_over_workers", summed)
-    monkeypatch.setattr(tf_engine.cluster, "task_index", lambda strategy: 0)
-    with pytest.raises(ValueError, match="Received: TF_ADASUM_WORKER_TRANSPORT='collective' on this worker"):
-        engine.check_same_variables(variables)
-
-
-def test_port_offset_variable(monkeypatch):
-    monkeypatch.delenv("TF_ADASUM_WORKER_PORT_OFFSET", raising=False)
-    assert tf_engine.worker_port_offset() == 0
-    monkeypatch.setenv("TF_ADASUM_WORKER_PORT_OFFSET", "100")
-    assert tf_engine.worker_port_offset() == 100
-    for bad in ("0", "70000", "ten"):
-        monkeypatch.setenv("TF_ADASUM_WORKER_PORT_OFFSET", bad)
-        with pytest.raises(ValueError, match=f"Received: TF_ADASUM_WORKER_PORT_OFFSET='{bad}'"):
-            tf_engine.worker_port_offset()
-
-
-def test_listener_takes_the_specified_address_and_port():
-    free = sockets.Listener("127.0.0.1")
-    port = free.port
-    free.socket.close()
-    listener = tf_engine._listen(("127.0.0.1", port - 7), 7)
-    assert listener.socket.getsockname()[:2] == ("127.0.0.1", port)
-    with pytest.raises(OSError):  # taken: the engine's workers then fall back together
-        tf_engine._listen(("127.0.0.1", port - 7), 7)
-    with pytest.raises(OSError, match="above 65535"):
-        tf_engine._listen(("127.0.0.1", 65000), 1000)
-    # An address that is not this machine's (e.g. behind NAT): every interface, at that port.
-    anywhere = tf_engine._listen(("192.0.2.1", 0), 0)
-    assert anywhere.socket.getsockname()[0] in ("0.0.0.0", "::")
-
-
 def test_try_connect_reports_unreachable_peers_without_raising():
-    listeners = [sockets.Listener("127.0.0.1") for _ in range(3)]
+    listeners = [socket_listener.Listener("127.0.0.1") for _ in range(3)]
     closed = listeners[2].port
     listeners[2].socket.close()  # nothing listens there any more
     addresses = [("127.0.0.1", listener.port) for listener in listeners[:2]] + [("127.0.0.1", closed)]
@@ -325,7 +273,7 @@ def test_strangers_cost_no_threads_are_cut_off_at_the_hello_deadline_and_change_
     hello_seconds = 1.5
     monkeypatch.setattr(socket_listener, "HELLO_SECONDS", hello_seconds)
     inputs = [[rng.standard_normal(s).astype(np.float32) for s in [(1000,), (300, 7), (5,)]] for _ in range(2)]
-    listeners = [sockets.Listener("127.0.0.1") for _ in range(2)]
+    listeners = [socket_listener.Listener("127.0.0.1") for _ in range(2)]
     addresses = [("127.0.0.1", listener.port) for listener in listeners]
     tokens = [listener.token for listener in listeners]
     meshes = [sockets.Mesh(listener, i, addresses, tokens, 30.0) for i, listener in enumerate(listeners)]
@@ -412,38 +360,12 @@ def test_closing_the_mesh_closes_its_listener():
 
 def test_a_failed_mesh_stops_listening():
     first, second = _meshes(2)
-    first.link(1, None)._fail(tf.errors.UnavailableError(None, None, "failed in the test"))
+    first.link(1, None).fail(tf.errors.UnavailableError(None, None, "failed in the test"))
     first._door.thread.join(10)
     assert not first._door.thread.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(first.addresses[0], timeout=5).recv(1)  # refused, or closed at once
     assert first._listener.socket.getsockname()[1] == first.addresses[0][1]  # its address can still be read
-
-
-def test_links_the_workers_cannot_agree_on_close_the_mesh(monkeypatch):
-    """A worker could not reach a peer: every worker falls back, and this one
-    closes its mesh (listener, links, threads) instead of only dropping it."""
-    listeners = [sockets.Listener("127.0.0.1") for _ in range(2)]
-    unreachable = listeners[1].port
-    listeners[1].socket.close()
-    addresses = [("127.0.0.1", listeners[0].port), ("127.0.0.1", unreachable)]
-    mesh = sockets.Mesh(listeners[0], 0, addresses, [listener.token for listener in listeners], 10)
-    key = ("a test's mesh", 10.0)
-    monkeypatch.setitem(tf_engine._MESHES, key, mesh)
-    monkeypatch.setattr(tf_engine, "sum_over_workers", lambda strategy, values, timeout: [1.0])  # one failed
-    engine = types.SimpleNamespace(
-        options=types.SimpleNamespace(timeout_seconds=10.0),
-        strategy=None,
-        _mesh_key=lambda: key,
-        _warn_fallback=lambda problem: None,
-    )
-    assert tf_engine.TFEngine._links_agreed(engine, mesh, [1], "all") is False
-    assert tf_engine._MESHES[key] is None
-    mesh._door.thread.join(10)
-    assert not mesh._door.thread.is_alive()
-    assert mesh._listener.socket.fileno() == -1  # closed, not only stopped
-    with pytest.raises(OSError):
-        socket.create_connection(addresses[0], timeout=5).recv(1)
 
 
 def _sending(call):

@@ -23,7 +23,7 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum.comm import cluster, collective
+from tf_adasum.comm import cluster, collective_keys
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import check_values, pair_rule
 from tf_adasum.engines.tf import TFEngine
@@ -188,7 +188,7 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         if device_types == {"CPU"}:
             implementation = tf.distribute.experimental.CommunicationImplementation.RING
         options = tf.distribute.experimental.CommunicationOptions(implementation=implementation).merge(self._options)
-        keys = collective.KEYS.fallback_keys(devices)
+        keys = collective_keys.KEYS.fallback_keys(devices)
         return cross_device_ops_lib.CollectiveAllReduce(
             devices=devices, group_size=len(devices), options=options, collective_keys=keys
         )

@@ -11,122 +11,30 @@ instead, unless ``TF_ADASUM_WORKER_TRANSPORT=collective``); between the CPUs
 of one process the driver uses none of them (`TFCollectiveCommunicator.direct`)
 unless told to.
 
-Keys are handed out in one place, `CollectiveKeys`: a group key derived from
-the set of devices, and per (group, device) an instance-key counter, so every member of a
-group draws the same keys as long as it issues the same collectives in the same
-order. Within one `tf.function` each device's collectives carry that device's
-ordering token and a control dependency on its previous collective, so they run
-in program order on every device.
+Keys are handed out in one place, `tf_adasum.comm.collective_keys.KEYS`: a
+group key derived from the set of devices, and per (group, device) an
+instance-key counter, so every member of a group draws the same keys as long
+as it issues the same collectives in the same order. Within one
+`tf.function` each device's collectives carry that device's ordering token
+and a control dependency on its previous collective, so they run in program
+order on every device.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Sequence
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_utils
 
 from tf_adasum.comm import cluster
+from tf_adasum.comm.collective_keys import KEYS, CollectiveKeys, canonical_device, device_sort_key
 
-__all__ = ["CollectiveKeys", "TFCollectiveCommunicator", "device_sort_key", "register_groups"]
-
-# Well above the keys TensorFlow's own CollectiveAllReduce hands out (from 1):
-# our groups' keys, and the blocks of keys for each default fallback.
-_GROUP_KEY_START = 0x0ADA0000
-_GROUP_KEY_SPACE = 1 << 24
-_FALLBACK_KEY_START = 0x0C000000
-_FALLBACK_BLOCK = 64  # keys per fallback (TF's CollectiveKeys hands them out from the block's start)
-
-
-def device_sort_key(device: str) -> tuple:
-    """The order in which the collective runtime ranks the members of a group
-    (job, replica, task, device type, device index; numerically)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return (spec.job or "", spec.replica or 0, spec.task or 0, (spec.device_type or "").upper(), spec.device_index or 0)
-
-
-def _canonical(device: str) -> str:
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.to_string()
-
-
-def _members(devices: Sequence[str]) -> tuple[str, ...]:
-    return tuple(sorted((_canonical(d) for d in devices), key=device_sort_key))
-
-
-def _hash(members: tuple[str, ...], modulus: int, salt: str = "") -> int:
-    digest = hashlib.sha256((salt + "\n".join(members)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % modulus
-
-
-class CollectiveKeys:
-    """Hands out collective group and instance keys (process-wide).
-
-    A group's key is derived from its member devices alone (a hash), so every
-    process computes the same key for the same group whatever else it has
-    allocated before (a local strategy, a fallback). Two groups whose hashes
-    collide in one process raise instead of sharing a key.
-    """
-
-    def __init__(self, group_key_start: int = _GROUP_KEY_START):
-        self._lock = threading.Lock()
-        self._start = group_key_start
-        self._group_keys: dict[tuple[str, ...], int] = {}
-        self._owners: dict[int, tuple[str, ...]] = {}
-        self._fallback_owners: dict[int, tuple[str, ...]] = {}
-        self._fallback_keys: dict[tuple[str, ...], cross_device_utils.CollectiveKeys] = {}
-        self._instance_keys: dict[tuple[int, str], int] = {}
-
-    def group_key(self, devices: Sequence[str]) -> int:
-        """The key of the group made of `devices` (in any order)."""
-        members = _members(devices)
-        with self._lock:
-            if members not in self._group_keys:
-                key = self._start + _hash(members, _GROUP_KEY_SPACE)
-                _claim(self._owners, key, members)
-                self._group_keys[members] = key
-            return self._group_keys[members]
-
-    def fallback_keys(self, devices: Sequence[str]) -> cross_device_utils.CollectiveKeys:
-        """TensorFlow's key allocator for fallback all-reduces over `devices`:
-        one per device set in the process (shared, so that its instance keys
-        never repeat), handing out group keys from a block derived from the
-        devices."""
-        members = _members(devices)
-        blocks = (1 << 24) // _FALLBACK_BLOCK
-        start = _FALLBACK_KEY_START + _FALLBACK_BLOCK * _hash(members, blocks, salt="fallback\n")
-        with self._lock:
-            _claim(self._fallback_owners, start, members)
-            if members not in self._fallback_keys:
-                self._fallback_keys[members] = cross_device_utils.CollectiveKeys(group_key_start=start)
-            return self._fallback_keys[members]
-
-    def instance_key(self, group_key: int, device: str) -> int:
-        """The next instance key of `device` in group `group_key`."""
-        slot = (group_key, _canonical(device))
-        with self._lock:
-            key = self._instance_keys.get(slot, 1)
-            self._instance_keys[slot] = key + 1
-            return key
-
-
-def _claim(owners: dict[int, tuple[str, ...]], key: int, members: tuple[str, ...]) -> None:
-    owner = owners.setdefault(key, members)
-    if owner != members:
-        raise RuntimeError(
-            f"tf_adasum: collective group key {key} derived for devices {members} is already used by "
-            f"{owner} in this process (a hash collision); please report it."
-        )
-
+__all__ = ["REMOTE_MESSAGE_BYTES", "TFCollectiveCommunicator"]
 
 #: The default `max_message_bytes` between the CPUs of two processes (see
 #: `TFCollectiveCommunicator`).
 REMOTE_MESSAGE_BYTES = 8 << 20
-
-#: The process-wide key allocator.
-KEYS = CollectiveKeys()
 
 _ORDERING_TOKENS: dict[tuple[str, int], tf.Tensor] = {}
 _TOKENS_LOCK = threading.Lock()
@@ -139,7 +47,7 @@ def _ordering_token(device: str, slot: int = 0) -> tf.Tensor:
     A bare resource handle (never initialised, never read) rather than a
     variable, so no `tf.distribute` variable creator can wrap it.
     """
-    key = (_canonical(device), slot)
+    key = (canonical_device(device), slot)
     with _TOKENS_LOCK:
         if key not in _ORDERING_TOKENS:
             with tf.init_scope(), tf.device(key[0]):
@@ -161,12 +69,6 @@ def _restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 def _joined(pieces: list[tf.Tensor], axis: int) -> tf.Tensor:
     return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis)
-
-
-def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
-    """Allocates the group keys of `rank_groups` (ranks index `devices`) in order."""
-    for group in rank_groups:
-        keys.group_key([devices[r] for r in group])
 
 
 class TFCollectiveCommunicator:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_adasum.comm import collective
-from tf_adasum.comm.sockets import Mesh, aligned_empty
+from tf_adasum.comm import collective_keys
+from tf_adasum.comm.socket_link import aligned_empty
+from tf_adasum.comm.sockets import Mesh
 
 __all__ = ["SocketCommunicator", "sum_steps"]
 
@@ -49,7 +50,7 @@ class SocketCommunicator:
     (a process may hold one rank of each of several trees). Each step is one
     ``tf.numpy_function`` on the mesh's chain, so every process issues them in
     the same order; each message's tag is a pair of collective keys drawn from
-    `tf_adasum.comm.collective.KEYS` (the pair's group key and this device's
+    `tf_adasum.comm.collective_keys.KEYS` (the pair's group key and this device's
     next instance key in it), identical on both members of a pair.
 
     Args:
@@ -70,8 +71,8 @@ class SocketCommunicator:
         return False
 
     def _tag(self, peer: int) -> int:
-        group_key = collective.KEYS.group_key([self.device, self.devices[peer]])
-        instance_key = collective.KEYS.instance_key(group_key, self.device)
+        group_key = collective_keys.KEYS.group_key([self.device, self.devices[peer]])
+        instance_key = collective_keys.KEYS.instance_key(group_key, self.device)
         return group_key << 32 | instance_key
 
     def _call(self, fn, inputs: Sequence[tf.Tensor], nbytes, receives=None) -> tf.Tensor:

@@ -8,46 +8,32 @@ messages, so this transport sends each one from the tensor's memory over one
 TCP connection per pair of processes, and the receiving thread reads it into
 the memory the result lives in: one copy into the kernel and one out.
 
-* `Listener` (from `tf_adasum.comm.socket_listener`, which also keeps
-  strangers at the door): this process's listening socket and the token a
-  peer presents when it connects.
-* `Mesh`: one process's connections to its peers, made on first use (the
-  lower index connects), each read by a thread of its own. A message carries
-  a 64-bit tag; the k-th message a peer sends with a tag fills the k-th
-  receive posted for that tag, so messages match whatever order TensorFlow's
-  threads run in.
-(`tf_adasum.comm.socket_communicator` builds the tree's steps on a mesh.)
+`Mesh`: one process's connections to its peers, made on first use (the lower
+index connects, presenting the token of the peer's `Listener`, from
+`tf_adasum.comm.socket_listener`, which also keeps strangers at the door),
+each a `tf_adasum.comm.socket_link.Link` read by a thread of its own. A
+message carries a 64-bit tag; the k-th message a peer sends with a tag fills
+the k-th receive posted for that tag, so messages match whatever order
+TensorFlow's threads run in. (`tf_adasum.comm.socket_communicator` builds the
+tree's steps on a mesh; `tf_adasum.comm.socket_setup` makes the mesh of the
+workers of a TF cluster.)
 
-Failures never hang, and a link that failed once stays failed (every later
-use raises) and fails the mesh's other links (the failed step left messages
-unmatched there too; the process must start over), and the mesh's listener
-stops listening (`Mesh.close` closes it, which the engine does only when the
-workers fall back to TF collective ops; a mesh in use lives until the process
-exits): a wait past the timeout raises
-`DeadlineExceededError`; a connection that closes or resets (a peer that
-died or left) fails every wait on it with `UnavailableError`; TCP keepalive
-(idle connections) and ``TCP_USER_TIMEOUT`` (unacknowledged data) notice a
-peer host that vanished without closing, within about a minute; a message of
-another size than the one expected (processes running different programs)
-fails the link, so its sender's next wait fails too. A message that comes
+Failures never hang (see `tf_adasum.comm.socket_link` for how a link
+fails), and a link that failed once stays failed and fails the mesh's other
+links (the failed step left messages unmatched there too; the process must
+start over), and the mesh's listener stops listening (`Mesh.close` closes
+it, which the set-up does only when the workers fall back to TF collective
+ops; a mesh in use lives until the process exits). A message that comes
 before its receive is posted is buffered only up to the largest message the
 mesh expects (`Mesh.allow`, which the communicators call with their steps'
-sizes: the agreed layout's); a larger one waits, unread, for its receive, and
-fails the link when none comes within the timeout, so a 64-bit length never
-decides an allocation. Raised inside a ``tf.numpy_function``, these reach the
-caller as TensorFlow's `UnknownError` whose message carries the class name
-and this module's "tf_adasum socket transport:" text.
-
-(About 460 lines: the link's reader, its sender and the failure latch share
-one state and are kept together; the listener lives in
-`tf_adasum.comm.socket_listener`.)
+sizes: the agreed layout's). Raised inside a ``tf.numpy_function``, failures
+reach the caller as TensorFlow's `UnknownError` whose message carries the
+class name and the "tf_adasum socket transport:" text.
 """
 
 from __future__ import annotations
 
-import collections
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,230 +42,14 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adasum.comm import ordering, socket_listener
+from tf_adasum.comm.socket_link import Link, copy_of, transport_error
 from tf_adasum.comm.socket_listener import Listener
 
-__all__ = ["CONNECT_TIMEOUT_SECONDS", "Listener", "Mesh", "aligned_empty"]
+__all__ = ["CONNECT_TIMEOUT_SECONDS", "Mesh"]
 
-_HEADER = struct.Struct("<QQ")  # tag, payload bytes
 _HANDSHAKE_SECONDS = 30.0  # the connecting side's wait for the answer to its hello
-_KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
-_USER_TIMEOUT_MS = 60_000
-
 #: How long `Mesh.connect` waits for its peers when messages may wait forever.
 CONNECT_TIMEOUT_SECONDS = 600.0
-_READER_POLL_SECONDS = 60.0
-#: A message that comes before its receive is buffered up to this many bytes
-#: at least (more as `Mesh.allow` raises the limit).
-_MIN_EARLY_BYTES = 1 << 16
-_FOREVER_SECONDS = 365 * 86400.0
-_ALIGN = 64  # TensorFlow takes a numpy result without a copy when it is this aligned
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array of `nbytes` starting on a `_ALIGN` boundary."""
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = -raw.ctypes.data % _ALIGN
-    return raw[offset : offset + nbytes]
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> None:
-    """Fills `view` from `sock`; a socket timeout raises unless `idle_ok`
-    (then it only means that nothing has come yet)."""
-    while view.nbytes:
-        try:
-            count = sock.recv_into(view)
-        except TimeoutError:
-            if idle_ok:
-                continue
-            raise
-        if not count:
-            raise ConnectionError("the connection was closed")
-        view = view[count:]
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in {**_KEEPALIVE, "TCP_USER_TIMEOUT": _USER_TIMEOUT_MS}.items():
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-class _Receive:
-    """One message expected (or arrived early) on a link."""
-
-    def __init__(self, buffer: np.ndarray):
-        self.buffer = buffer  # uint8, where the reading thread puts the bytes
-        self.target: np.ndarray | None = None  # where the caller wants them, if elsewhere
-        self.done = False
-
-
-def _error(kind, message: str) -> tf.errors.OpError:
-    return kind(None, None, f"tf_adasum socket transport: {message}")
-
-
-def _fresh(failure: tf.errors.OpError) -> tf.errors.OpError:
-    """A new exception like `failure`: one instance raised in many threads would share its traceback."""
-    return type(failure)(None, None, failure.message)
-
-
-class _Link:
-    """The connection to one peer: a reading thread and a lock for sending."""
-
-    def __init__(self, sock: socket.socket, name: str, timeout: float, on_failure=None, limit=lambda: 0):
-        _tune(sock)
-        # Two socket objects on one connection, each with its own timeout. Both
-        # must have one: a timeout makes the (shared) descriptor non-blocking.
-        self.name = name
-        self._socket = sock
-        self._socket.settimeout(_READER_POLL_SECONDS)
-        self._sender = sock.dup()
-        self._sender.settimeout(timeout or _FOREVER_SECONDS)
-        self._send_lock = threading.Lock()
-        self._state = threading.Condition()
-        self._posted: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._early: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._failure: tf.errors.OpError | None = None
-        self._on_failure = on_failure  # called once with the first failure (the mesh fails the others)
-        self._timeout = timeout
-        self._limit = limit  # the most bytes a message may bring before its receive is posted
-        self.withheld: tuple[int, int] | None = None  # see `_claim`
-        threading.Thread(target=self._read_forever, name=f"tf_adasum reader ({name})", daemon=True).start()
-
-    def _claim(self, tag: int, nbytes: int) -> _Receive:
-        """Where the message with `tag` and `nbytes` goes: its posted receive,
-        or a buffer of its own (at most `_limit()` bytes; a larger message
-        waits, unread, for its receive to be posted, within the timeout)."""
-        deadline = time.monotonic() + self._timeout if self._timeout else None
-        with self._state:
-            while True:
-                posted = self._posted.get(tag)
-                if posted:
-                    self.withheld = None
-                    receive = posted.popleft()
-                    if receive.buffer.nbytes != nbytes:
-                        raise ValueError(f"a message of {nbytes} bytes where {receive.buffer.nbytes} were expected")
-                    return receive
-                limit = max(self._limit(), _MIN_EARLY_BYTES)
-                if nbytes <= limit:
-                    self.withheld = None
-                    receive = _Receive(aligned_empty(nbytes))
-                    self._early[tag].append(receive)
-                    return receive
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if self._failure is not None or (remaining is not None and remaining <= 0):
-                    self.withheld = None
-                    raise ValueError(
-                        f"a message of {nbytes} bytes came that no receive took within {self._timeout:g} s, more "
-                        f"than the {limit} bytes of the largest message this process expects"
-                    )
-                if self.withheld is None:
-                    self.withheld = (tag, nbytes)  # (tag, bytes) of the message left unread meanwhile
-                    self._state.notify_all()
-                self._state.wait(remaining)
-
-    def notify(self) -> None:
-        """Wakes a reader waiting in `_claim` (a limit was raised)."""
-        with self._state:
-            self._state.notify_all()
-
-    def _read_forever(self) -> None:
-        header = bytearray(_HEADER.size)
-        try:
-            while True:
-                _recv_exactly(self._socket, memoryview(header), idle_ok=True)
-                receive = self._claim(*_HEADER.unpack(header))
-                _recv_exactly(self._socket, memoryview(receive.buffer), idle_ok=True)
-                with self._state:
-                    receive.done = True
-                    self._state.notify_all()
-        except ValueError as error:
-            self._fail(
-                _error(tf.errors.InvalidArgumentError, f"{self.name}: {error} (the processes run different programs).")
-            )
-        except OSError as error:
-            self._fail(
-                _error(
-                    tf.errors.UnavailableError,
-                    f"the connection to {self.name} failed: {error} (a worker failed or left).",
-                )
-            )
-        except BaseException as error:  # e.g. MemoryError: never leave the waits hanging
-            self._fail(_error(tf.errors.InternalError, f"reading from {self.name} failed: {error!r}."))
-        finally:
-            for sock in (self._socket, self._sender):
-                sock.close()
-
-    def _fail(self, failure: tf.errors.OpError) -> tf.errors.OpError:
-        """Fails the link for good (the first failure is kept) and closes the
-        connection, so the peer's waits fail too; returns the failure to raise."""
-        with self._state:
-            first = self._failure is None
-            if first:
-                self._failure = failure
-            self._state.notify_all()
-        if first:
-            for sock in (self._socket, self._sender):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            if self._on_failure is not None:
-                self._on_failure(self._failure)
-        return _fresh(self._failure)
-
-    def post(self, tag: int, into: np.ndarray | int) -> _Receive:
-        """Expects the next message with `tag`: in `into` (uint8), or, given a
-        byte count, in a fresh buffer (the early message's own, if it came early)."""
-        nbytes = into if isinstance(into, int) else into.nbytes
-        with self._state:  # (a failure is raised outside it: `_fail` takes other links' locks)
-            early = self._early.get(tag)
-            if not early:
-                receive = _Receive(aligned_empty(into) if isinstance(into, int) else into)
-                self._posted[tag].append(receive)
-                self._state.notify_all()  # a reader may wait for it (`_claim`)
-                return receive
-            receive = early.popleft()
-            if receive.buffer.nbytes == nbytes:
-                receive.target = None if isinstance(into, int) else into
-                return receive
-        message = f"{self.name} sent {receive.buffer.nbytes} bytes where {nbytes} were expected"
-        raise self._fail(_error(tf.errors.InvalidArgumentError, f"{message} (the processes run different programs)."))
-
-    def wait(self, receive: _Receive, deadline: float | None, what: str) -> np.ndarray:
-        """The bytes of `receive` once they are in, in the buffer it was posted with."""
-        timed_out = False
-        with self._state:  # (a failure is raised outside it: `_fail` takes other links' locks)
-            while not receive.done and self._failure is None and not timed_out:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                timed_out = remaining is not None and remaining <= 0
-                if not timed_out:
-                    self._state.wait(remaining)
-        if not receive.done:
-            if self._failure is not None:
-                raise _fresh(self._failure)
-            # Failed for good: a late message must not fill the next execution's receive.
-            raise self._fail(_error(tf.errors.DeadlineExceededError, f"{what} timed out waiting for {self.name}."))
-        if receive.target is not None:
-            receive.target[...] = receive.buffer
-            return receive.target
-        return receive.buffer
-
-    def send(self, tag: int, payload: np.ndarray, what: str) -> None:
-        """Sends `payload` as the next message with `tag` (whole, or the link fails)."""
-        data = memoryview(np.ascontiguousarray(payload)).cast("B")
-        with self._send_lock:
-            if self._failure is not None:
-                raise _fresh(self._failure)
-            try:
-                self._sender.sendall(_HEADER.pack(tag, data.nbytes))
-                self._sender.sendall(data)
-            except TimeoutError:  # part of a message may have left: the link is unusable
-                failure = _error(tf.errors.DeadlineExceededError, f"{what} timed out sending to {self.name}.")
-                raise self._fail(failure) from None
-            except OSError as error:
-                failure = _error(tf.errors.UnavailableError, f"sending to {self.name} failed: {error}.")
-                raise self._fail(failure) from None
 
 
 class Mesh:
@@ -311,7 +81,7 @@ class Mesh:
         self.timeout = float(timeout_seconds or 0)
         self.chain = ordering.Chain("The socket transport of tf_adasum calls Python")
         self._listener = listener
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, Link] = {}
         self._connecting: set[int] = set()
         self._failure: tf.errors.OpError | None = None
         self._state = threading.Condition()
@@ -333,12 +103,12 @@ class Mesh:
             self._state.notify_all()
         self._door.stop()
         for link in links:
-            link._fail(failure)
+            link.fail(failure)
 
     def close(self) -> None:
         """Shuts the transport down: every link fails (a later exchange raises
         `UnavailableError`) and the listener is closed."""
-        self._fail_all(_error(tf.errors.UnavailableError, "the transport was closed."))
+        self._fail_all(transport_error(tf.errors.UnavailableError, "the transport was closed."))
         self._door.close()
 
     def allow(self, nbytes: int) -> None:
@@ -354,8 +124,8 @@ class Mesh:
         for link in links:
             link.notify()
 
-    def _new_link(self, sock: socket.socket, peer: int) -> _Link:
-        return _Link(sock, self._name(peer), self.timeout, self._fail_all, lambda: self._largest_message)
+    def _new_link(self, sock: socket.socket, peer: int) -> Link:
+        return Link(sock, self._name(peer), self.timeout, self._fail_all, lambda: self._largest_message)
 
     def _admit(self, sock: socket.socket, peer: int) -> bool:
         """Takes a connection from a lower peer whose hello had this listener's token."""
@@ -370,20 +140,20 @@ class Mesh:
             self._state.notify_all()
         return True
 
-    def link(self, peer: int, deadline: float | None) -> _Link:
+    def link(self, peer: int, deadline: float | None) -> Link:
         """The connection to `peer`, made (the lower index connects) or awaited."""
         if peer == self.index or not 0 <= peer < len(self.addresses):
             raise ValueError(f"`peer` must be another process's index. Received: peer={peer}")
         with self._state:
             while peer not in self._links:
                 if self._failure is not None:
-                    raise _fresh(self._failure)
+                    raise copy_of(self._failure)
                 if peer > self.index and peer not in self._connecting:
                     self._connecting.add(peer)
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise _error(tf.errors.DeadlineExceededError, f"{self._name(peer)} never connected.")
+                    raise transport_error(tf.errors.DeadlineExceededError, f"{self._name(peer)} never connected.")
                 self._state.wait(remaining)
             else:
                 return self._links[peer]
@@ -398,7 +168,7 @@ class Mesh:
                     self._links[peer] = link
                 self._state.notify_all()
 
-    def _connect(self, peer: int, deadline: float | None) -> _Link:
+    def _connect(self, peer: int, deadline: float | None) -> Link:
         sock = None
         try:
             remaining = _HANDSHAKE_SECONDS if deadline is None else max(deadline - time.monotonic(), 1e-3)
@@ -410,7 +180,9 @@ class Mesh:
         except OSError as error:
             if sock is not None:
                 sock.close()
-            raise _error(tf.errors.UnavailableError, f"cannot connect to {self._name(peer)}: {error}.") from None
+            raise transport_error(
+                tf.errors.UnavailableError, f"cannot connect to {self._name(peer)}: {error}."
+            ) from None
 
     def try_connect(self, peers: Sequence[int], deadline: float | None) -> list[str]:
         """Connects to each of `peers` with a higher index (this process is
@@ -455,5 +227,5 @@ class Mesh:
             return None if receive is None else link.wait(receive, deadline, what)
         except BaseException as error:  # a receive posted but never waited for must not take a later message
             if not isinstance(error, tf.errors.OpError):
-                error = _error(tf.errors.InternalError, f"{what} failed: {error!r}.")
-            raise link._fail(error) from None
+                error = transport_error(tf.errors.InternalError, f"{what} failed: {error!r}.")
+            raise link.fail(error) from None

@@ -9,29 +9,26 @@ Between worker processes whose replicas are CPUs, one per process in each
 tree (one CPU per worker, or the cross-worker scope of the hierarchical
 combine), the tree's messages travel over this process's socket mesh
 (`tf_adasum.comm.sockets`, `tf_adasum.comm.socket_communicator`), set up on
-the first such combine with one tiny exchange of listening ports over TF
-collective ops (each worker listens on the address its cluster spec names,
-on its TF port plus ``TF_ADASUM_WORKER_PORT_OFFSET`` if set); elsewhere, when
-``TF_ADASUM_WORKER_TRANSPORT=collective``, and on every worker together when
-a worker could not listen on or reach a port (one warning), over TF
-collective ops (`tf_adasum.comm.collective.TFCollectiveCommunicator`, gRPC
-between processes).
+the first such combine by `tf_adasum.comm.socket_setup` (its settings,
+``TF_ADASUM_WORKER_TRANSPORT`` and ``TF_ADASUM_WORKER_PORT_OFFSET``, are
+read there) with tiny sums over the workers (`sum_over_workers`: TF
+collective ops); elsewhere, when ``TF_ADASUM_WORKER_TRANSPORT=collective``,
+and on every worker together when a worker could not listen on or reach a
+port (one warning), over TF collective ops
+(`tf_adasum.comm.collective.TFCollectiveCommunicator`, gRPC between
+processes).
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
-import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
-from tf_adasum.comm import cluster, collective, socket_communicator, sockets
+from tf_adasum.comm import cluster, collective, collective_keys, socket_communicator, socket_setup
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.engines.base import (
     Components,
@@ -43,24 +40,7 @@ from tf_adasum.engines.base import (
 )
 from tf_adasum.tree import rvh
 
-__all__ = ["TFEngine", "sum_over_workers", "worker_port_offset", "worker_transport"]
-
-#: Between the CPUs of worker processes: "sockets" (default) or "collective".
-TRANSPORT_VARIABLE = "TF_ADASUM_WORKER_TRANSPORT"
-_TRANSPORTS = ("sockets", "collective")
-#: The socket transport's port: this worker's TF_CONFIG port plus this offset (unset: one the system picks).
-PORT_OFFSET_VARIABLE = "TF_ADASUM_WORKER_PORT_OFFSET"
-#: How long a worker tries to reach a peer's socket port at set-up, before every worker falls back.
-SETUP_CONNECT_SECONDS = 60.0
-
-# Per process and set of devices: its socket mesh, or None once the workers
-# agreed to fall back to TF collective ops (a port that could not be opened or reached).
-_MESHES: dict[tuple, sockets.Mesh | None] = {}
-_MESHES_LOCK = threading.Lock()
-# (mesh key, scope) whose links every worker agreed on: later traces of that
-# scope connect without a collective (which a dead peer would leave waiting for
-# the whole timeout, where its closed connection fails at once).
-_AGREED: set[tuple] = set()
+__all__ = ["TFEngine", "sum_over_workers"]
 
 
 def _partners(num_ranks: int, rank: int) -> set[int]:
@@ -68,49 +48,6 @@ def _partners(num_ranks: int, rank: int) -> set[int]:
     the tree of `num_ranks`: its pairs, and whom its partial sums talk to."""
     groups = [g for g in rvh.groups(num_ranks) if rank in g]  # pairs (a pair's sum is its swap partner) and sums
     return {m for g in groups for step in socket_communicator.sum_steps(g, rank) for m in step}
-
-
-def worker_transport() -> str:
-    """The transport between the CPUs of worker processes that
-    ``TF_ADASUM_WORKER_TRANSPORT`` asks for: "sockets" (the default) or "collective"."""
-    value = os.environ.get(TRANSPORT_VARIABLE, "") or "sockets"
-    if value not in _TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_VARIABLE} must be one of {_TRANSPORTS}. Received: {TRANSPORT_VARIABLE}={value!r}")
-    return value
-
-
-def worker_port_offset() -> int:
-    """The offset ``TF_ADASUM_WORKER_PORT_OFFSET`` asks for (0: unset, the
-    system picks the socket transport's port)."""
-    value = os.environ.get(PORT_OFFSET_VARIABLE, "")
-    if not value:
-        return 0
-    try:
-        offset = int(value)
-    except ValueError:
-        offset = 0
-    if not 1 <= offset <= 65535:
-        raise ValueError(
-            f"{PORT_OFFSET_VARIABLE} must be an integer from 1 to 65535 (the socket transport listens on the "
-            f"worker's TF_CONFIG port plus it). Received: {PORT_OFFSET_VARIABLE}={value!r}"
-        )
-    return offset
-
-
-def _listen(address: tuple[str, int], offset: int) -> sockets.Listener:
-    """This worker's listener: on the address its cluster spec names (on every
-    interface where that address is not this machine's, e.g. behind NAT),
-    at the TF port plus `offset` (0: a port the system picks)."""
-    host, tf_port = address
-    port = tf_port + offset if offset else 0
-    if port > 65535:
-        raise OSError(f"port {tf_port} + {PORT_OFFSET_VARIABLE}={offset} is above 65535")
-    try:
-        return sockets.Listener(host, port)
-    except OSError as error:
-        if error.errno != errno.EADDRNOTAVAIL:
-            raise
-        return sockets.Listener(None, port)
 
 
 def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float | None = None) -> list[float]:
@@ -128,14 +65,14 @@ def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float |
     if len(leaders) == 1:
         return [float(v) for v in values]
     mine = leaders[ranks[0] // per_worker]
-    group_key = collective.KEYS.group_key(leaders)
+    group_key = collective_keys.KEYS.group_key(leaders)
 
     def add(numbers):
         return tf.raw_ops.CollectiveReduceV2(
             input=tf.constant(numbers, tf.float64),
             group_size=len(leaders),
             group_key=group_key,
-            instance_key=collective.KEYS.instance_key(group_key, mine),
+            instance_key=collective_keys.KEYS.instance_key(group_key, mine),
             ordering_token=[],
             merge_op="Add",
             final_op="Id",
@@ -193,8 +130,8 @@ class TFEngine(Engine):
         self.strategy = strategy if strategy is not None else tf.distribute.get_strategy()
         self._eager_fns: dict[tuple, Any] = {}
         self._lock = threading.Lock()
-        self.transport = worker_transport()
-        self.port_offset = worker_port_offset()
+        self.transport = socket_setup.worker_transport()
+        self.port_offset = socket_setup.worker_port_offset()
         # Each device's process, numbered in the workers' order (their order in `devices`).
         of = {d: cluster.process_of(d) for d in self.devices}
         numbers = {p: i for i, p in enumerate(dict.fromkeys(of.values()))}
@@ -239,97 +176,32 @@ class TFEngine(Engine):
         )
 
     def _mesh_key(self) -> tuple:
+        """Names this engine's workers and timeout for `tf_adasum.comm.socket_setup`."""
         return (self.devices, float(self.options.timeout_seconds or 0))
 
-    def _mesh(self) -> sockets.Mesh | None:
-        """This process's socket mesh for the workers of this engine, made
-        once per process (every worker makes it at the same point: the first
-        combine over sockets), its ports exchanged with `sum_over_workers`;
-        None once the workers fell back to TF collective ops together: here
-        when a worker could not listen on its port, in `_links_agreed` when
-        one could not reach a peer's (either way this worker's listener is
-        closed). A mesh in use is never closed: it lives until the process
-        exits, or stops listening when it fails."""
-        timeout = float(self.options.timeout_seconds or 0)
-        key = self._mesh_key()
-        with _MESHES_LOCK:
-            if key not in _MESHES:
-                me, count = self._process_of(self.devices[self.ranks[0]]), self.num_workers
-                specified = cluster.task_addresses(self.strategy)
-                listener, reason = None, ""
-                try:
-                    listener = _listen(specified[me], self.port_offset)
-                except OSError as error:
-                    reason = f": {error.strerror or error}"
-                mine = [0.0] * (2 * count)
-                if listener is not None:
-                    mine[2 * me : 2 * me + 2] = [float(listener.port), float(listener.token)]
-                totals = sum_over_workers(self.strategy, mine, timeout)
-                unable = [w for w in range(count) if totals[2 * w] == 0]
-                if unable:
-                    _MESHES[key] = None
-                    if listener is not None:  # no mesh will take its connections: refuse them
-                        listener.close()
-
-                    def wanted(w):
-                        host, port = specified[w]
-                        return f"{host}:{port + self.port_offset}" if self.port_offset else f"{host}, any port"
-
-                    where = ", ".join(f"worker process {w} on {wanted(w)}" for w in unable)
-                    self._warn_fallback(f"cannot listen: {where}{reason}")
-                else:
-                    addresses = [(specified[w][0], int(totals[2 * w])) for w in range(count)]
-                    tokens = [int(totals[2 * w + 1]) for w in range(count)]
-                    _MESHES[key] = sockets.Mesh(listener, me, addresses, tokens, timeout)
-            return _MESHES[key]
-
-    def _links_agreed(self, mesh: sockets.Mesh, peers: Sequence[int], scope: str) -> bool:
-        """Connects to `peers` on every worker together: first the links this
-        worker opens, within `SETUP_CONNECT_SECONDS`, then one exchange that
-        tells every worker whether all of them succeeded; if one did not, every
-        worker falls back to TF collective ops (one warning). Else the links
-        the peers opened are waited for (made by then). Once per scope: every
-        worker traces the same scopes, so every worker skips the exchange
-        together on a later trace."""
-        timeout = self.options.timeout_seconds
-        agreed = (self._mesh_key(), scope)
-        if agreed in _AGREED:
-            mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
-            return True
-        failures = mesh.try_connect(
-            peers, time.monotonic() + min(timeout or SETUP_CONNECT_SECONDS, SETUP_CONNECT_SECONDS)
-        )
-        (failed,) = sum_over_workers(self.strategy, [float(bool(failures))], timeout)
-        if failed:
-            mesh.close()  # its listener, links and their threads: no worker uses the mesh again
-            with _MESHES_LOCK:
-                _MESHES[self._mesh_key()] = None
-            self._warn_fallback("; ".join(failures) or f"{int(failed)} worker process(es) could not reach a peer")
-            return False
-        mesh.connect(peers, time.monotonic() + (timeout or sockets.CONNECT_TIMEOUT_SECONDS))
-        with _MESHES_LOCK:
-            _AGREED.add(agreed)
-        return True
-
-    def _warn_fallback(self, problem: str) -> None:
-        warnings.warn(
-            f"tf_adasum: the socket transport between worker processes could not be set up ({problem}). "
-            "Every worker combines over TensorFlow's collective ops instead (slower on CPUs). To use it, open "
-            f"each worker's socket port in the firewall: set {PORT_OFFSET_VARIABLE} to make it the worker's "
-            "TF_CONFIG port plus that offset.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    def _sum_over_workers(self, values: Sequence[float]) -> list[float]:
+        return sum_over_workers(self.strategy, values, self.options.timeout_seconds)
 
     def _build(self, values, combiner, scope):
         timeout = self.options.timeout_seconds
         trees = self._trees(scope)
-        mesh = self._mesh() if self._over_sockets(trees) else None
+        mesh = None
+        if self._over_sockets(trees):
+            # This process's mesh, made once per process (every worker makes it
+            # at the same point: the first combine over sockets).
+            mesh = socket_setup.worker_mesh(
+                self._mesh_key(),
+                self._process_of(self.devices[self.ranks[0]]),
+                cluster.task_addresses(self.strategy),
+                self.port_offset,
+                float(timeout or 0),
+                self._sum_over_workers,
+            )
         if mesh is not None:
             # Every worker builds this combine at the same point: connect now,
             # so that a peer dying later closes a connection being read.
             peers = [self._process_of(tree[p]) for tree, rank in trees for p in _partners(len(tree), rank)]
-            if not self._links_agreed(mesh, peers, scope):
+            if not socket_setup.links_agreed(mesh, self._mesh_key(), peers, scope, timeout, self._sum_over_workers):
                 mesh = None
         if mesh is not None:
             comms = [
@@ -377,7 +249,8 @@ class TFEngine(Engine):
         )
         if totals[1] not in (0.0, totals[0]):  # one transport on some workers, the other elsewhere: a hang later
             raise ValueError(
-                f"{TRANSPORT_VARIABLE} must be the same on every worker. Received: {TRANSPORT_VARIABLE}="
+                f"{socket_setup.TRANSPORT_VARIABLE} must be the same on every worker. "
+                f"Received: {socket_setup.TRANSPORT_VARIABLE}="
                 f"{self.transport!r} on this worker (task {cluster.task_index(self.strategy)}), "
                 f"'sockets' on {totals[1]:g} of {totals[0]:g} workers"
             )
