@@ -54,16 +54,14 @@ def main(argv=None):
     import tensorflow as tf
 
     import tf_adasum
-    from tf_adasum.engines.tf import sum_over_workers
     from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
+    from tf_adasum.processes import Processes
 
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.timeout)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    resolver = strategy.cluster_resolver
-    worker = resolver.task_id
-    num_workers = strategy.num_replicas_in_sync // len(strategy.extended.worker_devices)
-    is_chief = worker == 0
+    workers = Processes.of(strategy)  # this worker's index, their count, sums under the timeout above
+    is_chief = workers.index == 0
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_mnist()
@@ -86,8 +84,8 @@ def main(argv=None):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
-    test_images = as_float_images(x_test[worker::num_workers])
-    test_labels = y_test[worker::num_workers]
+    test_images = as_float_images(x_test[workers.index :: workers.count])
+    test_labels = y_test[workers.index :: workers.count]
     predict = tf.function(lambda x: tf.argmax(model(x, training=False), axis=-1))
     epoch_times, test_accuracy = [], []
 
@@ -101,17 +99,17 @@ def main(argv=None):
                 int(np.sum(predict(test_images[i : i + 1000]).numpy() == test_labels[i : i + 1000]))
                 for i in range(0, len(test_images), 1000)
             )
-            total_correct, total = sum_over_workers(strategy, [correct, len(test_images)], args.timeout)
+            total_correct, total = workers.sum([correct, len(test_images)])
             test_accuracy.append(total_correct / total)
             if is_chief:
                 print(f"epoch {epoch + 1}: test accuracy {test_accuracy[-1]:.4f}, {epoch_times[-1]:.1f} s", flush=True)
 
     callbacks = [EpochEnd()] if args.backup is None else [tf_adasum.BackupAndRestore(args.backup), EpochEnd()]
     model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
-    sum_over_workers(strategy, [0.0], args.timeout)  # a barrier: no worker leaves while another still trains
+    workers.barrier()  # no worker leaves while another still trains
     summary = {
         "example": "mnist_multiworker",
-        "workers": num_workers,
+        "workers": workers.count,
         "replicas": strategy.num_replicas_in_sync,
         "global_batch": global_batch,
         "combiner": args.combiner,

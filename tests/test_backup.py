@@ -28,6 +28,7 @@ from simulation import data as simulation_data
 import tf_adasum
 from tf_adasum import backup
 from tf_adasum.launcher.mpirun import mpirun_command
+from tf_adasum.processes import Processes
 
 BACKUP_WORKER = os.path.join(TESTS, "workers", "backup_worker.py")
 EPOCHS, STEPS = 4, 3
@@ -177,7 +178,7 @@ def _checked(index, count, epochs, failed=(), own_error=None):
     """`_agree` on process `index` when the processes' sum gives `epochs` and `failed`."""
     callback = backup.BackupAndRestore("unused")
     totals = [float(e) for e in epochs] + [float(j in failed) for j in range(count)]
-    callback._processes = backup._Processes("worker", index, count, lambda values: totals)
+    callback._processes = Processes("worker", index, count, lambda values, what: totals)
     return callback._agree(epochs[index], own_error)
 
 

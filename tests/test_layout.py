@@ -41,6 +41,7 @@ LAYERS = {
     "engines.mpi": 5,
     "engines.select": 6,
     "cross_device_ops": 7,
+    "processes": 7,  # which process, how many, a sum over them: over engines.tf and engines.select
     "step.adacons": 7,
     "step.diagnostics": 7,
     "step.keras_step": 7,

@@ -17,12 +17,12 @@ works with one `backup_dir` seen by every process (a shared filesystem):
   leaves ``backup.json`` naming a complete weights file of some epoch.
 * **Every process restores** at ``on_train_begin``: each reads the same
   ``backup.json`` and checks the weights file it names; one tiny reduction
-  over the processes (2 floats each: its epoch and whether it failed) checks
-  that all found the same epoch, a `ValueError` on every process naming each
-  process's epoch otherwise (e.g. a folder per worker instead of a shared
-  one); then every process loads that file (`model.load_weights`, the
-  optimizer built first) and Keras starts at that epoch. Nothing has trained
-  yet when an error is raised.
+  over the processes (`tf_adasum.processes`; 2 floats each: its epoch and
+  whether it failed) checks that all found the same epoch, a `ValueError` on
+  every process naming each process's epoch otherwise (e.g. a folder per
+  worker instead of a shared one); then every process loads that file
+  (`model.load_weights`, the optimizer built first) and Keras starts at that
+  epoch. Nothing has trained yet when an error is raised.
 * **Deleted when training completes** (`model.fit` returns), kept when it is
   interrupted, as Keras does; only this callback's files are removed.
 
@@ -53,15 +53,11 @@ import re
 import tempfile
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tf_adasum.comm import cluster, mpi_transport
-from tf_adasum.engines import select
-from tf_adasum.engines.tf import sum_over_workers
+from tf_adasum.processes import Processes
 from tf_adasum.step import keras_step
 
 __all__ = ["METADATA_NAME", "BackupAndRestore", "saved_epoch"]
@@ -144,46 +140,6 @@ def _fsync(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
-@dataclass(frozen=True)
-class _Processes:
-    """The processes of this training job, seen from one of them.
-
-    Attributes:
-      label: what a process is called in messages ("worker", "rank", "process").
-      index: this process's index (0 writes).
-      count: the number of processes.
-      sum: the elementwise float64 sum of a short list over the processes
-        (every process calls it at the same point).
-    """
-
-    label: str
-    index: int
-    count: int
-    sum: Callable[[list[float]], list[float]]
-
-
-def _processes_of(strategy) -> _Processes:
-    """Decided once per `fit`, the same way on every process: the workers of a
-    multi-worker strategy, else the ranks of an MPI launcher, else one process."""
-    workers = cluster.num_workers(strategy)
-    if workers > 1:
-        timeout = select.communication_options(strategy).timeout_seconds
-        total = lambda values: sum_over_workers(strategy, values, timeout)  # noqa: E731
-        return _Processes("worker", cluster.task_index(strategy), workers, total)
-    if select.launched_by_mpi():
-        world = select.mpi_world()
-        what = "the check that every rank restored the same backup"
-
-        def total(values):
-            summed = mpi_transport.allreduce_sum(
-                world.helpers_comm, np.asarray(values), mpi_transport.default_timeout(), what
-            )
-            return [float(v) for v in summed]
-
-        return _Processes("rank", world.rank, world.size, total)
-    return _Processes("process", 0, 1, lambda values: [float(v) for v in values])
-
-
 def _reading_communicates(variables) -> bool:
     """Whether reading any of `variables` outside a replica context reduces
     across replicas (a sync-on-read variable with a SUM or MEAN aggregation)."""
@@ -238,7 +194,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.restored_epoch = 0
-        self._processes: _Processes | None = None
+        self._processes: Processes | None = None
         self._reads_communicate = False
         self._set_initial_epoch = False
 
@@ -262,7 +218,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:  # its variables must exist to be loaded
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
-        self._processes = _processes_of(strategy)
+        self._processes = Processes.of(strategy)  # the same decision on every process
         optimizer_variables = list(optimizer.variables) if optimizer is not None else []
         self._reads_communicate = _reading_communicates(list(model.variables) + optimizer_variables)
         metadata, error = None, None
@@ -306,18 +262,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         n, i = processes.count, processes.index
         local = [0.0] * (2 * n)
         local[i], local[n + i] = float(epoch), float(error is not None)
-        total = processes.sum(local)
+        total = processes.sum(local, "the check that every rank restored the same backup")
         epochs, failed = [int(e) for e in total[:n]], [j for j in range(n) if total[n + j]]
         if error is not None:
             raise error
         if failed:
-            names = ", ".join(f"{processes.label} {j}" for j in failed[:8])
+            names = ", ".join(f"{processes.kind} {j}" for j in failed[:8])
             raise RuntimeError(
                 f"BackupAndRestore: {names} could not restore from {self.backup_dir} (see its error); "
                 "no process starts training."
             )
         if len(set(epochs)) > 1:
-            listed = ", ".join(f"{processes.label} {j}: epoch {e}" for j, e in enumerate(epochs[:16]))
+            listed = ", ".join(f"{processes.kind} {j}: epoch {e}" for j, e in enumerate(epochs[:16]))
             raise ValueError(
                 f"BackupAndRestore: the processes found backups of different epochs in {self.backup_dir} "
                 f"({listed}{', ...' if n > 16 else ''}). Every process must see the same `backup_dir`, a "
@@ -338,7 +294,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Whether `model.save_weights` may issue collectives across workers: under
         a multi-worker strategy, inside its scope or with a sync-on-read SUM/MEAN
         variable (see the module docstring). The same answer on every worker."""
-        return self._processes.label == "worker" and (self._reads_communicate or tf.distribute.has_strategy())
+        return self._processes.kind == "worker" and (self._reads_communicate or tf.distribute.has_strategy())
 
     def _save(self, epoch: int) -> None:
         """Weights file first, then the metadata naming it, each atomically;

@@ -49,10 +49,9 @@ from simulation import BATCH, IN, OUT  # noqa: E402
 from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
-import tf_adasum.mpi  # noqa: E402
 from tf_adasum import backup  # noqa: E402
 from tf_adasum.comm import mpi_transport  # noqa: E402
-from tf_adasum.engines import select  # noqa: E402
+from tf_adasum.processes import Processes  # noqa: E402
 
 EPOCHS, STEPS = 4, 3
 #: Collective timeout: a bug fails the run instead of hanging it.
@@ -64,17 +63,18 @@ KILLED = 23
 
 
 class Job:
-    """The multi-worker strategy (TF_CONFIG) or MPI ranks, behind one face."""
+    """The multi-worker strategy (TF_CONFIG) or MPI ranks, behind one face
+    (`tf_adasum.processes`, the backup's own view of them)."""
 
     def __init__(self):
         self.strategy = None
         if "TF_CONFIG" in os.environ:
             options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT_SECONDS)
             self.strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-            self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
-        else:
-            assert select.launched_by_mpi(), "run under tf-adasum launch (TF_CONFIG) or mpirun"
-            self.rank, self.size = tf_adasum.mpi.rank(), tf_adasum.mpi.size()
+        processes = Processes.of(self.strategy)
+        expected = "worker" if self.strategy else "rank"
+        assert processes.kind == expected, f"run under tf-adasum launch (TF_CONFIG) or mpirun: {processes}"
+        self.rank, self.size = processes.index, processes.count
 
     def scope(self):
         return self.strategy.scope() if self.strategy else contextlib.nullcontext()

@@ -9,10 +9,11 @@ another (`tf_adasum.SimulatedReplicas`).
 `run_in_processes` (the parent) starts this module as a program, once or N
 times; each process loads the dataset, trains on its shard of the training
 set (every process runs the same number of steps per epoch), evaluates its
-shard of the test set, and sums the counts over the processes, so every
-process takes the same stop-at-target decision. Process 0 prints one
-``PROGRESS epoch accuracy seconds`` line per epoch and, when training ends,
-``RECORD`` and the result record as one JSON line; then every process ends
+shard of the test set, and sums the counts over the processes
+(`tf_adasum.processes`), so every process takes the same stop-at-target
+decision. Process 0 prints one ``PROGRESS epoch accuracy seconds`` line per
+epoch and, when training ends, ``RECORD`` and the result record as one JSON
+line; then every process ends
 itself from ``on_train_end`` (``os._exit``, after ``MPI_Finalize`` under
 mpirun), so TensorFlow's teardown never runs: at `fit`'s return it waits for
 tf.data's autotuning threads of the per-device iterators (seen in gdb: the
@@ -111,45 +112,20 @@ def run_in_processes(
 # -- the program each process runs -------------------------------------------------
 
 
-class _Processes:
-    """This process's place: the only process (local devices, simulated), a
-    MultiWorkerMirroredStrategy worker or an MPI rank."""
+def _strategy(engine: str, replicas: int):
+    """The strategy of this process's replicas: `replicas` logical CPU devices
+    (local-devices), the workers' (tf-collective), else the default one (one
+    replica per process: mpi, simulated)."""
+    import tensorflow as tf
 
-    def __init__(self, engine: str, replicas: int):
-        import tensorflow as tf
+    if engine == "local-devices":
+        import tf_adasum
+        from tf_adasum.eval.runner import logical_cpus
 
-        self.strategy, self.rank, self.size = None, 0, 1
-        if engine == "local-devices":
-            import tf_adasum
-            from tf_adasum.eval.runner import logical_cpus
-
-            self.strategy = tf.distribute.MirroredStrategy(
-                logical_cpus(replicas), cross_device_ops=tf_adasum.AdasumCrossDeviceOps()
-            )
-        elif engine == "tf-collective":
-            self.strategy = tf.distribute.MultiWorkerMirroredStrategy()
-            self.rank, self.size = self.strategy.cluster_resolver.task_id, self.strategy.num_replicas_in_sync
-        elif engine == "mpi":
-            from tf_adasum import mpi
-
-            self.rank, self.size = mpi.rank(), mpi.size()
-
-    def scope(self):
-        import tensorflow as tf
-
-        return (self.strategy or tf.distribute.get_strategy()).scope()
-
-    def sum(self, values: list[float]) -> list[float]:
-        if self.size == 1:
-            return values
-        if self.strategy is not None:
-            from tf_adasum.engines.tf import sum_over_workers
-
-            return sum_over_workers(self.strategy, values)
-        from tf_adasum import mpi
-
-        sums = mpi.allreduce_sum({str(i): v for i, v in enumerate(values)})
-        return [sums[str(i)] for i in range(len(values))]
+        return tf.distribute.MirroredStrategy(logical_cpus(replicas), cross_device_ops=tf_adasum.AdasumCrossDeviceOps())
+    if engine == "tf-collective":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return tf.distribute.get_strategy()
 
 
 def _main(argv=None) -> None:
@@ -163,10 +139,12 @@ def _main(argv=None) -> None:
 
     from tf_adasum.eval import runner
     from tf_adasum.eval.data import as_float_images, load_dataset, training_stream
+    from tf_adasum.processes import Processes
 
     config = runner.RunConfig(**json.loads(args.config)).validate()
-    processes = _Processes(config.engine, config.replicas)
-    rank, size = processes.rank, processes.size
+    strategy = _strategy(config.engine, config.replicas)
+    processes = Processes.of(strategy)  # a worker (tf-collective), a rank (mpi) or the only process
+    rank, size = processes.index, processes.count
     keras.utils.set_random_seed(config.seed)
     (x_train, y_train), (x_test, y_test) = runner.subset(config, load_dataset(config.dataset, args.data_dir))
     global_batch = config.replicas * config.batch_per_replica
@@ -174,15 +152,15 @@ def _main(argv=None) -> None:
     train, _ = training_stream(x_train[rank::size], y_train[rank::size], global_batch // size, config.seed + rank)
     if config.engine == "tf-collective":
         dataset = train
-        train = processes.strategy.distribute_datasets_from_function(lambda context: dataset)
-    with processes.scope():
+        train = strategy.distribute_datasets_from_function(lambda context: dataset)
+    with strategy.scope():
         model = runner.compiled_model(config, steps_per_epoch, jit_compile=False)
     test_images, test_labels = as_float_images(x_test[rank::size]), y_test[rank::size]
     count_correct = runner.correct_counter(model, test_images, test_labels)
 
     def measure_accuracy():
         """This process's shard of the test set, counts summed over the processes."""
-        total_correct, total = processes.sum([count_correct(), len(test_labels)])
+        total_correct, total = processes.sum([count_correct(), len(test_labels)], "a sum of the test counts")
         return total_correct / total
 
     def report(epoch, accuracy, seconds):
@@ -196,7 +174,7 @@ def _main(argv=None) -> None:
             if rank == 0:
                 record = runner.record(config, epoch_end.accuracy, epoch_end.seconds, not args.no_stop)
                 print(_RECORD + json.dumps(record), flush=True)
-            processes.sum([0.0])
+            processes.barrier()
             sys.stdout.flush()
             if config.engine == "mpi":
                 from tf_adasum.comm.mpi_transport import mpi
