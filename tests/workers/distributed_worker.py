@@ -43,9 +43,8 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
-from tf_adasum.comm import collective, mpi_transport  # noqa: E402
+from tf_adasum.comm import collective, mpi_transport, socket_setup  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
-from tf_adasum.engines import tf as tf_engine  # noqa: E402
 from tf_adasum.engines.mpi import MPIEngine  # noqa: E402
 
 #: Collective timeout: a bug fails the run instead of hanging it.
@@ -139,7 +138,7 @@ def run_collective(engine, out):
     fallbacks = [str(w.message) for w in caught if "socket transport" in str(w.message)]
     # Sockets dropped during the combine without being closed (e.g. a listener no mesh took).
     unclosed = [str(w.message) for w in caught if w.category is ResourceWarning and "socket" in str(w.message)]
-    meshes = [mesh for mesh in tf_engine._MESHES.values() if mesh is not None]
+    meshes = [mesh for mesh in socket_setup._MESHES.values() if mesh is not None]
     listener = [str(a) for a in meshes[0]._listener.socket.getsockname()[:2]] if meshes else []
     tf_port = _tf_port(engine.rank) if engine.strategy is not None and "TF_CONFIG" in os.environ else 0
     # What carried it between processes: the socket transport's threads, if any.

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_utils
 
-__all__ = ["KEYS", "CollectiveKeys", "canonical_device", "device_sort_key", "register_groups"]
+__all__ = ["KEYS", "CollectiveKeys", "canonical_device", "device_sort_key"]
 
 # Well above the keys TensorFlow's own CollectiveAllReduce hands out (from 1):
 # our groups' keys, and the blocks of keys for each default fallback.
@@ -114,9 +114,3 @@ def _claim(owners: dict[int, tuple[str, ...]], key: int, members: tuple[str, ...
 
 #: The process-wide key allocator.
 KEYS = CollectiveKeys()
-
-
-def register_groups(devices: Sequence[str], rank_groups: Sequence[Sequence[int]], keys: CollectiveKeys = KEYS) -> None:
-    """Allocates the group keys of `rank_groups` (ranks index `devices`) in order."""
-    for group in rank_groups:
-        keys.group_key([devices[r] for r in group])

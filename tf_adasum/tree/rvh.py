@@ -117,8 +117,9 @@ def _real_rank(virtual: int, folded: int) -> int:
 def groups(num_ranks: int) -> list[tuple[int, ...]]:
     """Every rank group the collective uses for `num_ranks`, in a canonical order.
 
-    Registering these before any rank issues a collective makes group keys
-    agree across processes.
+    The swap pairs of each level and the groups whose dot products are summed
+    (the MPI engine makes one sub-communicator for each; the TF engine's
+    partners are those a rank belongs to).
     """
     leaves, folded = tree_shape(num_ranks)
     result = [(2 * i, 2 * i + 1) for i in range(folded)]
