@@ -36,10 +36,10 @@ worker = load_worker(WORKER)
 
 def _emulated_hosts_refusal() -> str | None:
     """Why this system cannot make `tf-adasum launch --hosts` hosts, or None when it can."""
-    from tf_adasum.launcher import processes
+    from tf_adasum.launcher import children
 
     try:
-        fds, _ = processes.emulated_hosts(1, "1gbit")
+        fds, _ = children.emulated_hosts(1, "1gbit")
     except OSError as error:  # NetworkIsolationError, or a descriptor the system would not open
         return str(error)
     for fd in fds:

@@ -20,10 +20,10 @@ import time
 import pytest
 
 from tf_adasum import launch
-from tf_adasum.launcher import processes
+from tf_adasum.launcher import children
 
 LAUNCH_PY = launch.__file__
-HELPER_PY = processes.HELPER
+HELPER_PY = children.HELPER
 
 #: A worker without TensorFlow: starts a child, writes "pid child_pid", sleeps.
 _SLEEPER = textwrap.dedent(
@@ -133,7 +133,7 @@ def _start(tmp_path, script_text, *options, prefix=()):
 def _private_network_refusal() -> str | None:
     """Why this system refuses the private network, or None when it allows it."""
     try:
-        for fd in processes.private_network():
+        for fd in children.private_network():
             os.close(fd)
     except launch.NetworkIsolationError as error:
         return str(error)

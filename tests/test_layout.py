@@ -1,4 +1,4 @@
-"""The package's layout (DESIGN.md section 5): imports point downwards only.
+"""The package's layout (docs/guide/design.md, "Package layout"): imports point downwards only.
 
 Every import of a `tf_adasum` module, at module level or inside a function, is
 read from the source (no import runs); each module has a layer, and a module
@@ -59,7 +59,7 @@ LAYERS = {
 }
 EVAL_LAYER = 10  # tf_adasum.eval.*: the evaluation, on top (its modules may import each other)
 #: Standard library only: import nothing of ours but the launcher's modules (tf_adasum/launcher/).
-STANDALONE = {"launch", "launcher.helper", "launcher.mpirun", "launcher.processes", "launcher.tf_config"}
+STANDALONE = {"launch", "launcher.helper", "launcher.mpirun", "launcher.children", "launcher.tf_config"}
 PACKAGE_INITS = {"", "comm", "engines", "eval", "launcher", "native", "step", "tree"}
 
 
@@ -126,7 +126,7 @@ def test_imports_point_downwards(name, path):
         both_eval = name.startswith("eval") and target.startswith("eval")
         assert both_eval or name in STANDALONE or _layer(target) < _layer(name), (
             f"tf_adasum.{name} (layer {_layer(name)}) imports tf_adasum.{target} (layer {_layer(target)}) "
-            f"at line {line}: imports must point downwards (DESIGN.md section 5)"
+            f"at line {line}: imports must point downwards (docs/guide/design.md, 'Package layout')"
         )
 
 
@@ -157,7 +157,7 @@ def _reachable() -> dict[str, set[str]]:
 
 
 def test_the_layers_are_the_design():
-    """The imports themselves (not the LAYERS table) follow DESIGN.md: along
+    """The imports themselves (not the LAYERS table) follow the design page: along
     eval/cli -> callbacks, mpi helpers -> optimizer -> keras_step, adacons,
     diagnostics, cross_device_ops -> engines -> comm, rvh -> combiners -> ops
     -> reference, no module reaches one above it through any chain of imports,
@@ -166,7 +166,7 @@ def test_the_layers_are_the_design():
     reach = _reachable()
     for i, lower in enumerate(chain):
         above = [upper for upper in chain[i + 1 :] if upper in reach[lower]]
-        assert not above, f"tf_adasum.{lower} reaches {above}, above it (DESIGN.md section 5)"
+        assert not above, f"tf_adasum.{lower} reaches {above}, above it (docs/guide/design.md, 'Package layout')"
     assert "mpi" not in reach["optimizer"]  # the MPI helpers sit above the optimizer
     for name, reached in reach.items():
         if name.startswith("comm."):

@@ -25,8 +25,8 @@ PROCESSES_WORKER = os.path.join(TESTS, "workers", "processes_worker.py")
 
 
 def test_one_process_is_index_0_of_1_and_its_sum_is_the_values():
-    for strategy in (None, tf.distribute.get_strategy(), mirrored(2)[0]):
-        processes = Processes.of(strategy)
+    strategies = (None, tf.distribute.get_strategy(), mirrored(2)[0])
+    for processes in [Processes.of(strategy) for strategy in strategies] + [Processes.alone()]:
         assert (processes.kind, processes.index, processes.count) == ("process", 0, 1)
         assert processes.sum([3, 2.5, True, np.int64(7), np.float32(0.5)]) == [3.0, 2.5, 1.0, 7.0, 0.5]
         assert processes.sum((4,), "a named sum") == [4.0]

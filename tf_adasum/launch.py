@@ -56,14 +56,14 @@ import tempfile
 from collections.abc import Sequence
 
 if __package__:
-    from tf_adasum.launcher import helper, processes, tf_config
+    from tf_adasum.launcher import children, helper, tf_config
+    from tf_adasum.launcher.children import NetworkIsolationError
     from tf_adasum.launcher.mpirun import emulated_hosts_command, require_mpirun
-    from tf_adasum.launcher.processes import NetworkIsolationError
 else:  # run by path (python [-I -S] tf_adasum/launch.py): the package beside it, without tf_adasum's (TF's) import
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from launcher import helper, processes, tf_config
+    from launcher import children, helper, tf_config
+    from launcher.children import NetworkIsolationError
     from launcher.mpirun import emulated_hosts_command, require_mpirun
-    from launcher.processes import NetworkIsolationError
 
 __all__ = ["NetworkIsolationError", "launch", "main"]
 
@@ -111,7 +111,7 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
         program = require_mpirun()
     except FileNotFoundError as error:
         raise NetworkIsolationError(str(error)) from None
-    network, addresses = processes.emulated_hosts(hosts, link)
+    network, addresses = children.emulated_hosts(hosts, link)
     # MPI's session directories are named by process ids, which repeat in the
     # PID namespace: a folder of their own (a killed run leaves one behind).
     session = tempfile.mkdtemp(prefix="tf-adasum-mpirun-")
@@ -121,7 +121,8 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
         env[helper.HOSTS_VARIABLE] = " ".join(
             [str(os.getpid()), str(network[0]), *(f"{a}={fd}" for a, fd in zip(addresses, network[2:]))]
         )
-        mpirun = emulated_hosts_command(program, list(zip(addresses, blocks)), processes.helper_command("rsh"))
+        agent = children.helper_command("rsh")
+        mpirun = emulated_hosts_command(program, list(zip(addresses, blocks)), agent, helper.HOST_INTERFACE)
         print(
             f"tf-adasum launch: {num_ranks} MPI ranks on {hosts} emulated hosts ({', '.join(addresses)}; links of "
             f"{link or 'unlimited rate'} each way; ranks per host {blocks}), private network namespaces that "
@@ -129,8 +130,8 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
             file=sys.stderr,
             flush=True,
         )
-        on_host_0 = [*processes.helper_command("enter", addresses[0]), *mpirun, *command]
-        return processes.run([processes.Child(on_host_0, env, "[mpirun] ")])
+        on_host_0 = [*children.helper_command("enter", addresses[0]), *mpirun, *command]
+        return children.run([children.Child(on_host_0, env, "[mpirun] ")])
     finally:
         for fd in network:  # held until mpirun is gone: its daemons enter the hosts through them
             os.close(fd)
@@ -216,7 +217,7 @@ def launch(
     if mpirun:
         return _launch_mpirun(num_workers, command, base, hosts, link)
     if hosts is not None:
-        network, addresses = processes.emulated_hosts(hosts, link)
+        network, addresses = children.emulated_hosts(hosts, link)
         host_of = _host_of(num_workers, hosts)
         ports = [HOST_PORT_BASE + i for i in range(num_workers)]
         # Worker i joins (user namespace, its host's namespace); the switch stays with us.
@@ -224,16 +225,16 @@ def launch(
         worker_hosts, keep = [addresses[h] for h in host_of], network[1:2]
     else:
         ports, worker_hosts, addresses = tf_config.free_ports(num_workers), None, []
-        network = processes.private_network() if isolate_network else []
+        network = children.private_network() if isolate_network else []
         joins, keep = [network] * num_workers, []
     print(_exposure_notice(ports, isolate_network, addresses, link), file=sys.stderr, flush=True)
     workers = [
-        processes.Child(command, dict(base, TF_CONFIG=config), f"[worker {index}] ", joins[index])
+        children.Child(command, dict(base, TF_CONFIG=config), f"[worker {index}] ", joins[index])
         for index, config in enumerate(tf_config.cluster_configs(num_workers, ports, worker_hosts))
     ]
     try:
         # The workers hold their namespaces once started; the switch's links live as long as we hold it.
-        return processes.run(workers, release=[fd for fd in network if fd not in keep])
+        return children.run(workers, release=[fd for fd in network if fd not in keep])
     finally:
         for fd in keep:
             os.close(fd)

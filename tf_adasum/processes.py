@@ -136,6 +136,11 @@ class Processes:
                 return [float(v) for v in summed]
 
             return cls("rank", world.rank, world.size, over_ranks)
+        return cls.alone()
+
+    @classmethod
+    def alone(cls) -> Processes:
+        """This process as the whole job: index 0 of 1; a sum returns its values."""
         return cls("process", 0, 1, lambda values, what: values)
 
     def sum(self, values: Sequence[float], what: str = "a sum over the processes") -> list[float]:

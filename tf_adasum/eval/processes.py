@@ -143,7 +143,10 @@ def _main(argv=None) -> None:
 
     config = runner.RunConfig(**json.loads(args.config)).validate()
     strategy = _strategy(config.engine, config.replicas)
-    processes = Processes.of(strategy)  # a worker (tf-collective), a rank (mpi) or the only process
+    if config.engine in ("tf-collective", "mpi"):
+        processes = Processes.of(strategy)  # a worker of the cluster, or a rank of mpirun
+    else:  # local-devices, simulated: one process, whatever launcher variables it inherited
+        processes = Processes.alone()
     rank, size = processes.index, processes.count
     keras.utils.set_random_seed(config.seed)
     (x_train, y_train), (x_test, y_test) = runner.subset(config, load_dataset(config.dataset, args.data_dir))

@@ -1,7 +1,7 @@
 """The launcher's helper program: a worker's supervisor, and the maker of its networks.
 
-`tf_adasum.launch` runs this file by path with ``python -I -S`` (it imports it
-only to read its constants), so it imports nothing of tf_adasum and nothing
+`tf_adasum.launch` runs this file by path with ``python -I -S`` (and imports it
+for its constants and its rate parser), so it imports nothing of tf_adasum and nothing
 outside the standard library: no TensorFlow loads before a worker's own
 program starts. The first argument is the role:
 
@@ -78,6 +78,10 @@ _IFREQ = "16sH14x"  # struct ifreq: the interface name, then ifr_flags
 
 #: Seconds between two looks at getppid() where no parent-death signal exists.
 POLL_SECONDS = 0.5
+#: The roles that watch the launcher: their first argument is its process id.
+WATCHED_ROLES = ("worker", "network", "hosts")
+#: Each emulated host's interface to the switch (MPI's TCP traffic goes over it).
+HOST_INTERFACE = "eth0"
 #: Where the launcher names its hosts' namespaces for `enter` and `rsh`.
 HOSTS_VARIABLE = "TF_ADASUM_EMULATED_HOSTS"
 #: Host h's address is SUBNET + (h + 1); at most MAX_HOSTS hosts.
@@ -250,14 +254,15 @@ def _emulated_hosts(hosts: int, rate: str | None) -> list[str]:
         members.append(f"{host}@{host_address(h)}")
         # `ip` opens the switch's namespace by this path: ours, open in this process.
         switch_path = f"/proc/{os.getpid()}/fd/{switch}"
-        spaces.run(host, "ip", "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", switch_path)
-        spaces.run(host, "ip", "addr", "add", f"{host_address(h)}/24", "dev", "eth0")
+        veth = ["type", "veth", "peer", "name", port, "netns", switch_path]
+        spaces.run(host, "ip", "link", "add", HOST_INTERFACE, *veth)
+        spaces.run(host, "ip", "addr", "add", f"{host_address(h)}/24", "dev", HOST_INTERFACE)
         spaces.run(host, "ip", "link", "set", "lo", "up")
-        spaces.run(host, "ip", "link", "set", "eth0", "up")
+        spaces.run(host, "ip", "link", "set", HOST_INTERFACE, "up")
         spaces.run(switch, "ip", "link", "set", port, "master", "br0")
         spaces.run(switch, "ip", "link", "set", port, "up")
         if bucket:
-            spaces.run(host, "tc", "qdisc", "add", "dev", "eth0", "root", *bucket)
+            spaces.run(host, "tc", "qdisc", "add", "dev", HOST_INTERFACE, "root", *bucket)
             spaces.run(switch, "tc", "qdisc", "add", "dev", port, "root", *bucket)
     return [user, str(switch), *members]
 

@@ -39,7 +39,7 @@ def mpirun_command(num_ranks: int) -> list[str]:
 
 
 def emulated_hosts_command(
-    program: str, slots: Sequence[tuple[str, int]], agent: Sequence[str], interface: str = "eth0"
+    program: str, slots: Sequence[tuple[str, int]], agent: Sequence[str], interface: str
 ) -> list[str]:
     """`program` (an mpirun) starting ``sum(n for _, n in slots)`` ranks as root
     across hosts, `slots`: (address, ranks), in contiguous blocks; `agent`

@@ -41,9 +41,7 @@ def combine(
     """
     combiner = settings.combiner
     if combiner.pairwise:
-        if with_partials:
-            return engine.combine(per_replica, combiner, settings.hierarchical, with_partials=True)
-        return engine.combine(per_replica, combiner, settings.hierarchical)
+        return engine.combine(per_replica, combiner, settings.hierarchical, with_partials=with_partials)
     restore = combiner.restore_magnitude
     restore = settings.mode == "delta" if restore is None else restore
     rows = rows if combiner.per_tensor else [0]

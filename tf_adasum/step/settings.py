@@ -97,8 +97,9 @@ class StepSettings:
 
 class Setting:
     """A read-only attribute of a class holding a `StepSettings` as ``_settings``:
-    ``combiner = Setting()`` reads ``self._settings.combiner``. Settings are
-    fixed at construction (they were checked then)."""
+    ``combiner = Setting()`` reads ``self._settings.combiner``, so the owner
+    sets ``_settings`` first in its constructor, before anything reads one.
+    Settings are fixed at construction (they were checked then)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name

@@ -19,6 +19,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from . import helper  # the package beside it, whether tf_adasum.launcher or, run by path, launcher
+
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 5.0
 #: The helper program (run by path, never imported by the processes it starts).
@@ -43,12 +45,13 @@ class Child(NamedTuple):
 
 def helper_command(role: str, *args: str) -> list[str]:
     """The helper in `role`; the roles that watch the launcher are given its process id."""
-    watched = [str(os.getpid())] if role in ("worker", "network", "hosts") else []
+    watched = [str(os.getpid())] if role in helper.WATCHED_ROLES else []
     return [sys.executable, "-I", "-S", HELPER, role, *watched, *args]
 
 
 def private_network() -> list[int]:
     """Makes a network namespace holding only loopback; returns descriptors of its user namespace and of it."""
+    _require_linux()
     try:
         fds, _ = _namespaces("network", what="a private network namespace for the workers")
     except NetworkIsolationError as error:
@@ -65,11 +68,15 @@ def emulated_hosts(hosts: int, link: str | None) -> tuple[list[int], list[str]]:
     return _namespaces("hosts", str(hosts), link or "none", what=f"{hosts} emulated hosts")
 
 
+def _require_linux() -> None:
+    if not sys.platform.startswith("linux"):
+        raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
+
+
 def _namespaces(role: str, *args: str, what: str) -> tuple[list[int], list[str]]:
     """Runs the helper in a maker's `role`; returns descriptors of the namespaces
     it made (opened through its ``/proc/PID/fd``) and the addresses named with them."""
-    if not sys.platform.startswith("linux"):
-        raise NetworkIsolationError(f"network namespaces need Linux. Received: sys.platform={sys.platform!r}")
+    _require_linux()
     holder = subprocess.Popen(
         helper_command(role, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
