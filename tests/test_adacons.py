@@ -131,6 +131,26 @@ def test_matches_reference(n, mode, per_tensor):
     assert adacons["fallbacks"] == oracle.state["fallbacks"]
 
 
+def test_native_mirrored_strategies_of_two_sizes_in_one_process():
+    """Under TF's own MirroredStrategy (its default all-reduce), at 2 replicas
+    and then at 4 in one process, AdaCons matches the reference at each size.
+    TF's default collective keys start at 1 for every strategy; the engine's
+    small gathers draw tf_adasum's keys (with the strategy's, the second size
+    failed: "joining a group with size 4, but that group has size 2")."""
+    inner, steps = SGD(lr=0.05), 2
+    x, y = data(steps)
+    for n in (2, 4):
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        with strategy.scope():
+            model = _model()
+            initial = [w.numpy() for w in model.weights]
+            model.compile(optimizer=tf_adasum.AdasumOptimizer(inner.keras(), combiner="adacons"), loss="mse")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        expected = simulate(initial, x, y, n, steps, inner, ReferenceAdaCons(restore_magnitude=True))
+        for got, want in zip(model.weights, expected):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def _train(tmp_path, restart, n=2):
     x, y = data(4)
     kwargs = dict(combiner=combiners.AdaCons(momentum=0.5), mode="gradient")

@@ -225,12 +225,24 @@ class TFEngine(Engine):
         return [tuple(o) for o in outputs], tuple(partials)
 
     def sum_small(self, per_replica) -> tf.Tensor:
+        if self.num_workers == 1:  # every replica's value is at hand (see `_in_one_process`)
+            return tf.add_n(self._in_one_process(per_replica))
         return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     def gather_small(self, per_replica) -> tf.Tensor:
+        if self.num_workers == 1:
+            return tf.stack(self._in_one_process(per_replica))
         rows = self.strategy.extended.call_for_each_replica(lambda x: tf.expand_dims(x, 0), args=(per_replica,))
         shape = self.strategy.experimental_local_results(per_replica)[0].shape
         return tf.ensure_shape(self.strategy.gather(rows, axis=0), [self.num_replicas, *shape])
+
+    def _in_one_process(self, per_replica) -> list[tf.Tensor]:
+        """Each replica's value, in replica order, for a small sum or gather
+        in one process: read where they lie, no collective. (The strategy's
+        own would be a collective under TF's default keys, which start at 1
+        for every strategy: after a strategy of another size in the same
+        process, the group has the wrong size and the step fails.)"""
+        return list(self.strategy.experimental_local_results(per_replica))
 
     @property
     def is_first_process(self) -> bool:
