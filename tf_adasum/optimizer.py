@@ -29,11 +29,10 @@ from tf_adasum import combiners as combiners_lib
 from tf_adasum import ops
 from tf_adasum.engines import base as engines_base
 from tf_adasum.engines import select
-from tf_adasum.step import adacons as adacons_lib
 from tf_adasum.step import diagnostics as diagnostics_lib
 from tf_adasum.step import keras_step, members
 from tf_adasum.step import settings as settings_lib
-from tf_adasum.step.combine import combine
+from tf_adasum.step.combine import combine, combine_state
 from tf_adasum.step.local_steps import LocalSteps
 
 __all__ = ["AdasumOptimizer"]
@@ -161,11 +160,8 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         super().build(var_list)
         count = self._zeros_per_replica("adasum_local_steps", (), "int64")
         self._local_steps = LocalSteps.create(self, var_list, self.backward_passes_per_step, self.mode, count)
-        self._adacons_state = None
-        if not self.combiner.pairwise:
-            groups = len(var_list) if self.combiner.per_tensor else 1
-            make = self._zeros_per_replica
-            self._adacons_state = adacons_lib.AdaConsState.create(make, groups, self.engine.num_replicas)
+        make = self._zeros_per_replica
+        self._adacons_state = combine_state(self._settings, make, len(var_list), self.engine.num_replicas)
         if self._diagnostics.enabled:
             self._create_diagnostics()
         self.engine.broadcast_initial(var_list, self.variables)

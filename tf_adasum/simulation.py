@@ -60,10 +60,9 @@ import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.engines.simulated import CPU, SimulatedEngine, components, per_replica
-from tf_adasum.step import adacons as adacons_lib
 from tf_adasum.step import keras_step
 from tf_adasum.step import settings as settings_lib
-from tf_adasum.step.combine import combine
+from tf_adasum.step.combine import combine, combine_state
 
 __all__ = ["SimulatedReplicas"]
 
@@ -202,11 +201,8 @@ class _ReplicaState:
                 ]
             self.accumulators = stacked(self.variables, "replica_gradients", zeros=True) if not delta and k > 1 else []
             self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_steps")
-            self.adacons = None
-            if not trainer.combiner.pairwise:
-                groups = len(self.variables) if trainer.combiner.per_tensor else 1
-                make = lambda name, shape, dtype: tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)  # noqa: E731
-                self.adacons = adacons_lib.AdaConsState.create(make, groups, n)
+            make = lambda name, shape, dtype: tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)  # noqa: E731
+            self.adacons = combine_state(trainer._settings, make, len(self.variables), n)
 
     # -- one replica's part ------------------------------------------------------------
 

@@ -14,7 +14,21 @@ from tf_adasum.engines.base import Engine
 from tf_adasum.step import adacons as adacons_lib
 from tf_adasum.step.settings import StepSettings
 
-__all__ = ["combine"]
+__all__ = ["combine", "combine_state"]
+
+
+def combine_state(
+    settings: StepSettings, make_variable, num_variables: int, num_replicas: int
+) -> adacons_lib.AdaConsState | None:
+    """The state `combine` carries from step to step: AdaCons' (one weight
+    group per variable with ``per_tensor``, else one for the model), its
+    variables made by ``make_variable(name, shape, dtype)``; None for a pair
+    rule, which keeps none."""
+    combiner = settings.combiner
+    if combiner.pairwise:
+        return None
+    groups = num_variables if combiner.per_tensor else 1
+    return adacons_lib.AdaConsState.create(make_variable, groups, num_replicas)
 
 
 def combine(
