@@ -1,11 +1,13 @@
 """tf_adasum.backup.BackupAndRestore: an interrupted `fit` resumes to the
 weights of an uninterrupted one, in one process, under MirroredStrategy, and
 with real processes (MultiWorkerMirroredStrategy workers, mpirun ranks)
-killed at different points of an epoch and of a save.
+killed at different points of an epoch and of a save; and a backup of N
+replicas restores on M replicas by the documented rule (replica j takes saved
+replica j mod N's optimizer state).
 
 Why the final weights are bitwise equal: the backup holds every variable of
-the model and optimizer (in gradient mode, and in delta mode with plain SGD,
-every replica's state is replica 0's), each epoch's batches are the same
+the model and every replica's own copy of each optimizer variable (delta mode
+with Adam: the moments differ between replicas), each epoch's batches are the same
 whether or not the run was interrupted (the pipeline starts at `saved_epoch`,
 one seeded order per epoch), and each step is deterministic (the same
 collectives in the same order, float64 tree partials).
@@ -29,6 +31,7 @@ import tf_adasum
 from tf_adasum import backup
 from tf_adasum.launcher.mpirun import mpirun_command
 from tf_adasum.processes import Processes
+from tf_adasum.step import replica_states
 
 BACKUP_WORKER = os.path.join(TESTS, "workers", "backup_worker.py")
 EPOCHS, STEPS = 4, 3
@@ -49,11 +52,12 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-def _job(strategy, seed, mode="gradient", inner=lambda: keras.optimizers.Adam(0.01)):
+def _job(strategy, seed, mode="gradient", inner=lambda: keras.optimizers.Adam(0.01), combiner="adasum"):
     with strategy.scope():
         keras.utils.set_random_seed(seed)
         model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
-        model.compile(optimizer=tf_adasum.AdasumOptimizer(inner(), mode=mode), loss="mse")
+        optimizer = tf_adasum.AdasumOptimizer(inner(), mode=mode, combiner=combiner)
+        model.compile(optimizer=optimizer, loss="mse")
     return model
 
 
@@ -70,7 +74,9 @@ def _fit(model, folder, callbacks=()):
 
 
 def _state(model):
-    return [v.numpy() for v in model.weights] + [v.numpy() for v in model.optimizer.variables]
+    """The weights, then every replica's copy of each optimizer variable."""
+    copies = [c.numpy() for v in model.optimizer.variables for c in replica_states.local_copies(v)]
+    return [v.numpy() for v in model.weights] + copies
 
 
 def _assert_bitwise_equal(actual, expected):
@@ -103,13 +109,62 @@ def test_one_process_resumes_exactly(tmp_path):
     _assert_bitwise_equal(resumed, reference)
 
 
-def test_mirrored_strategy_resumes_exactly_in_delta_mode_with_sgd(tmp_path):
-    """Delta mode with a slot-free optimizer: nothing per replica is lost
-    (gradient mode is tested with real processes below)."""
+def test_mirrored_strategy_resumes_exactly_in_delta_mode_with_adam(tmp_path):
+    """Delta mode with Adam: each replica's moments are its own (they differ
+    after one step) and each comes back from the backup's shard."""
     strategy_fn = lambda: mirrored(2)[0]  # noqa: E731
-    inner = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
-    resumed, reference = _interrupted_then_resumed(strategy_fn, tmp_path, 3, mode="delta", inner=inner)
+    resumed, reference = _interrupted_then_resumed(strategy_fn, tmp_path, 3, mode="delta")
     _assert_bitwise_equal(resumed, reference)
+    model = _job(strategy_fn(), seed=1, mode="delta")
+    _fit(model, tmp_path / "differ")
+    moments = [replica_states.local_copies(v) for v in model.optimizer.variables if "momentum" in v.path]
+    assert moments and all(c[0].numpy().tobytes() != c[1].numpy().tobytes() for c in moments)
+
+
+class _Snapshot(keras.callbacks.Callback):
+    """Records every replica's copy of each optimizer variable at the start of
+    epoch `epoch` (after the backup's restore), then interrupts."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch, self.copies = epoch, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.copies = [[c.numpy() for c in replica_states.local_copies(v)] for v in self.model.optimizer.variables]
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("combiner", ["adasum", "adacons"])
+@pytest.mark.parametrize("saved, resumed", [(2, 4), (4, 3)])
+def test_resume_at_another_replica_count(tmp_path, saved, resumed, combiner):
+    """A backup of `saved` replicas restored on `resumed` in delta mode with
+    Adam: the weights exact, replica j's copy of every optimizer variable
+    saved replica j mod N's, bitwise (AdaCons' per-replica weights, whose
+    shape holds the replica count, restart); then training goes on."""
+    folder = tmp_path / "backup"
+    snapshot, restored = _Snapshot(2), _Snapshot(2)
+    model = _job(mirrored(saved)[0], seed=1, mode="delta", combiner=combiner)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(model, folder, [snapshot])
+    other = _job(mirrored(resumed)[0], seed=2, mode="delta", combiner=combiner)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(other, folder, [restored])
+    _assert_bitwise_equal([w.numpy() for w in other.weights], [w.numpy() for w in model.weights])
+    kept = []
+    for variable, before, after in zip(other.optimizer.variables, snapshot.copies, restored.copies):
+        assert len(before) == saved and len(after) == resumed
+        if before[0].shape == after[0].shape:
+            _assert_bitwise_equal(after, [before[j % saved] for j in range(resumed)])
+        else:
+            kept.append(variable.path)
+    if combiner == "adasum":
+        assert kept == []
+    else:
+        assert kept and all("adacons" in path for path in kept), kept
+    assert any("momentum" in v.path for v in other.optimizer.variables)
+    _fit(other, folder)  # and trains on to the end
+    assert not folder.exists()
 
 
 def test_torn_and_stale_files(tmp_path):
@@ -127,10 +182,15 @@ def test_torn_and_stale_files(tmp_path):
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(_job(tf.distribute.get_strategy(), seed=2), folder, [_Interrupt(2)])
     names = sorted(os.listdir(folder))
-    assert names[0] == "backup.json" and names[2] == "notes.txt" and len(names) == 3, names
-    assert names[1] != current and names[1].startswith("epoch-000002-")
+    assert names[0] == "backup.json" and names[3] == "notes.txt" and len(names) == 4, names
+    assert names[1] != current and names[1].startswith("epoch-000002-") and names[1].endswith(".weights.h5")
+    assert names[2] == "epoch-000002.replicas-00000.npz"
 
     metadata = json.loads((folder / "backup.json").read_text())
+    assert metadata["replicas"] == 1 and metadata["shards"][0]["file"] == names[2]
+    os.remove(folder / names[2])
+    with pytest.raises(ValueError, match=f"is damaged: .* names {names[2]} of .* but it is missing"):
+        _fit(_job(tf.distribute.get_strategy(), seed=3), folder)
     os.truncate(folder / metadata["weights"], metadata["bytes"] - 1)
     with pytest.raises(ValueError, match=r"is damaged: .* but it has \d+"):
         _fit(_job(tf.distribute.get_strategy(), seed=3), folder)
@@ -144,6 +204,38 @@ def test_torn_and_stale_files(tmp_path):
     (folder / "backup.json").unlink()
     _fit(_job(tf.distribute.get_strategy(), seed=3), folder)
     assert sorted(os.listdir(folder)) == ["notes.txt"]
+
+
+def test_a_backup_without_shards_restores_replica_0s_state(tmp_path):
+    """Format 1 (before the shards): every replica takes replica 0's copies,
+    as `model.load_weights` gives them."""
+    folder = tmp_path / "backup"
+    snapshot, restored = _Snapshot(2), _Snapshot(2)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_job(mirrored(2)[0], seed=1, mode="delta"), folder, [snapshot])
+    metadata = json.loads((folder / "backup.json").read_text())
+    for name in ("replicas", "variables", "shards"):
+        del metadata[name]
+    (folder / "backup.json").write_text(json.dumps({**metadata, "format": "tf_adasum.backup/1"}))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_job(mirrored(2)[0], seed=2, mode="delta"), folder, [restored])
+    for before, after in zip(snapshot.copies, restored.copies):
+        _assert_bitwise_equal(after, [before[0], before[0]])
+    assert any(b[0].tobytes() != b[1].tobytes() for b in snapshot.copies)
+
+
+def test_a_failed_shard_is_an_error_and_the_last_backup_stays(tmp_path, monkeypatch):
+    folder = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_job(tf.distribute.get_strategy(), seed=1), folder, [_Interrupt(2)])
+
+    def full_disk(path, values):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(backup, "_write_arrays", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        _fit(_job(tf.distribute.get_strategy(), seed=2), folder)
+    assert backup.saved_epoch(folder) == 2 and not [n for n in os.listdir(folder) if n.startswith(".tmp-")]
 
 
 def test_arguments_are_checked(tmp_path):
@@ -177,9 +269,11 @@ def test_missing_keras_attribute_is_a_loud_error(tmp_path):
 def _checked(index, count, epochs, failed=(), own_error=None):
     """`_agree` on process `index` when the processes' sum gives `epochs` and `failed`."""
     callback = backup.BackupAndRestore("unused")
-    totals = [float(e) for e in epochs] + [float(j in failed) for j in range(count)]
+    totals = [float(e) for e in epochs] + [float(j in failed) for j in range(count)] + [1.0] * count
     callback._processes = Processes("worker", index, count, lambda values, what: totals)
-    return callback._agree(epochs[index], own_error)
+    epoch = callback._agree(epochs[index], own_error)
+    assert callback._first_replica == index  # one replica a process
+    return epoch
 
 
 def test_every_process_checks_the_epochs():
@@ -238,7 +332,8 @@ def _reports(out, name):
 def _backup_files(out):
     names = sorted(os.listdir(out / "backup"))
     metadata = json.loads((out / "backup" / "backup.json").read_text())
-    return metadata, [n for n in names if n.startswith(".tmp-")], [n for n in names if n.startswith("epoch-")]
+    weights = [n for n in names if n.startswith("epoch-") and n.endswith(".weights.h5")]
+    return metadata, [n for n in names if n.startswith(".tmp-")], weights
 
 
 @pytest.mark.parametrize(
@@ -256,9 +351,10 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
     metadata under mpirun), then the other process killed in the middle of
     epoch 2 (or, on emulated hosts, its link taken down or cut to a trickle:
     every worker fails within the collective timeout and the launcher exits
-    non-zero), then the run completes with the weights and optimizer state of
-    an uninterrupted run; then a folder per process is an error on every
-    process."""
+    non-zero), then the run completes with the weights and every process's
+    own optimizer state (delta mode: Adam's moments differ between the
+    processes) of an uninterrupted run; then a folder per process is an
+    error on every process at its first backup."""
     outputs = []
 
     def step(number, code):
@@ -301,15 +397,19 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
     reports = step(3, 0)
     assert all(r["restored"] == 2 and r["begun"] == [2, 3] for r in reports)
     assert not (tmp_path / "backup").exists() and not (tmp_path / "reference_backup").exists()
-    reference = np.load(tmp_path / "reference_rank0.npz")
-    for rank in range(2):
-        for name in ("reference", "final"):
-            result = np.load(tmp_path / f"{name}_rank{rank}.npz")
-            assert result.files == reference.files
-            _assert_bitwise_equal([result[f] for f in result.files], [reference[f] for f in reference.files])
+    references = [np.load(tmp_path / f"reference_rank{rank}.npz") for rank in range(2)]
+    weights = 2  # the Dense layer's kernel and bias come first (`save_state`)
+    _assert_bitwise_equal(*[[r[f] for f in r.files[:weights]] for r in references])  # the weights: one model
+    assert any(references[0][f].tobytes() != references[1][f].tobytes() for f in references[0].files)
+    for rank, reference in enumerate(references):  # every process's own optimizer state, restored
+        final = np.load(tmp_path / f"final_rank{rank}.npz")
+        assert final.files == reference.files
+        _assert_bitwise_equal([final[f] for f in final.files], [reference[f] for f in reference.files])
 
     label = "rank" if engine == "mpi" else "worker"
-    for report in _reports(tmp_path, "mismatch"):  # a folder per process: only the writer's holds a backup
+    for rank, report in enumerate(_reports(tmp_path, "mismatch")):  # a folder per process
         assert report["raised"] and report["type"] == "ValueError", report
-        assert f"different epochs in {tmp_path}/own" in report["message"]
-        assert f"({label} 0: epoch 1, {label} 1: epoch 0)" in report["message"]
+        assert f"{label} 0, {label} 1 cannot see every process's part of the backup in {tmp_path}/own" in (
+            report["message"]
+        )
+        assert f"this one misses epoch-000001.replicas-{1 - rank:05d}.npz" in report["message"]

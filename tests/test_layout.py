@@ -48,6 +48,7 @@ LAYERS = {
     "step.local_steps": 7,
     "step.settings": 7,
     "step.members": 7,
+    "step.replica_states": 7.25,  # each replica's copies of the optimizer's variables (over step.keras_step)
     "step.combine": 7.5,  # over step.adacons and step.settings
     "optimizer": 8,
     "simulation": 8,  # beside the optimizer: the same step, every replica in one process

@@ -6,23 +6,34 @@ on HDF5's file lock; a folder per worker resumes the workers at different
 epochs; a callback on MPI rank 0 only leaves the others at epoch 0). This one
 works with one `backup_dir` seen by every process (a shared filesystem):
 
-* **One writer.** The chief (task 0 of a MultiWorkerMirroredStrategy) or MPI
-  rank 0 writes; in one process (no strategy, MirroredStrategy) that process.
-* **Atomic backups.** At the end of each epoch the writer saves weights and
-  optimizer variables (`model.save_weights`) to a temporary file in
-  `backup_dir`, fsyncs it and renames it to a name of its own
-  (``epoch-000003-<hex>.weights.h5``); then it writes ``backup.json`` the same
-  way (temporary file, fsync, ``os.replace``), naming the weights file, the
-  epoch and its size; only then are older files removed. A kill at any point
-  leaves ``backup.json`` naming a complete weights file of some epoch.
+* **One writer, and a shard per process.** At the end of each epoch every
+  process writes its replicas' own copies of the optimizer's variables (each
+  replica's momentum or Adam moments in delta mode differ; a mirrored
+  variable's checkpoint holds replica 0's only) to a file of its own,
+  ``epoch-000003.replicas-00001.npz`` (`tf_adasum.step.replica_states`); no
+  process gathers the others'. The chief (task 0 of a
+  MultiWorkerMirroredStrategy) or MPI rank 0, in one process that process,
+  also writes the weights and optimizer variables (`model.save_weights`).
+* **Atomic backups.** Every file goes to a temporary file in `backup_dir`,
+  fsynced, then renamed (the weights to a name of its own,
+  ``epoch-000003-<hex>.weights.h5``). After one tiny reduction over the
+  processes (each process's replica count and whether its shard failed), the
+  writer writes ``backup.json`` the same way (temporary file, fsync,
+  ``os.replace``), naming the weights file, every shard and their sizes, the
+  epoch and the replica count; only then are older files removed. A kill at
+  any point leaves ``backup.json`` naming complete files of some epoch.
 * **Every process restores** at ``on_train_begin``: each reads the same
   ``backup.json`` and checks the weights file it names; one tiny reduction
   over the processes (`tf_adasum.processes`; 2 floats each: its epoch and
   whether it failed) checks that all found the same epoch, a `ValueError` on
   every process naming each process's epoch otherwise (e.g. a folder per
   worker instead of a shared one); then every process loads that file
-  (`model.load_weights`, the optimizer built first) and Keras starts at that
-  epoch. Nothing has trained yet when an error is raised.
+  (`model.load_weights`, the optimizer built first), then gives each of its
+  replicas its saved replica's copies of the optimizer's variables (replica j
+  takes saved replica j mod N, N the replicas saved: exact at the same
+  replica count, and a fixed rule at another; `tf_adasum.step.replica_states`),
+  and Keras starts at that epoch. Nothing has trained yet when an error is
+  raised.
 * **Deleted when training completes** (`model.fit` returns), kept when it is
   interrupted, as Keras does; only this callback's files are removed.
 
@@ -39,10 +50,11 @@ inside ``strategy.scope()`` or the model holds such a variable, every worker
 runs the save, the others into a private scratch folder deleted at once, so
 that all issue the same collectives; otherwise the chief saves alone.
 
-Exact resume (the weights of an uninterrupted run): a backup every epoch, and
-an input pipeline that yields the same batches for a given epoch whether or
-not the run was interrupted (see `saved_epoch`); in gradient mode (and delta
-mode with a slot-free optimizer) every replica's state is in the backup.
+Exact resume (the weights and every replica's optimizer state of an
+uninterrupted run): a backup every epoch, the same replica count, and an input
+pipeline that yields the same batches for a given epoch whether or not the run
+was interrupted (see `saved_epoch`). A backup of format 1 (before the shards)
+restores every replica from replica 0's copies.
 """
 
 from __future__ import annotations
@@ -55,18 +67,22 @@ import uuid
 from collections.abc import Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_adasum.processes import Processes
-from tf_adasum.step import keras_step
+from tf_adasum.step import keras_step, replica_states
 
 __all__ = ["METADATA_NAME", "BackupAndRestore", "saved_epoch"]
 
 #: The file that names the current backup; written last, replaced atomically.
 METADATA_NAME = "backup.json"
-_FORMAT = "tf_adasum.backup/1"
+_FORMAT = "tf_adasum.backup/2"
+#: Format 1 had no shards: it restores every replica from replica 0's copies.
+_FORMAT_WITHOUT_SHARDS = "tf_adasum.backup/1"
 _TEMP_PREFIX = ".tmp-"
 _WEIGHTS_NAME = re.compile(r"epoch-\d{6,}-[0-9a-f]{8}\.weights\.h5")
+_SHARD_NAME = re.compile(r"epoch-\d{6,}\.replicas-\d{5,}\.npz")
 _COMMUNICATING_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
 
@@ -103,21 +119,51 @@ def _read_metadata(backup_dir: str) -> dict | None:
     try:
         metadata = json.loads(text)
         valid = (
-            metadata.get("format") == _FORMAT
-            and isinstance(metadata.get("epoch"), int)
-            and metadata["epoch"] >= 1
+            metadata.get("format") in (_FORMAT, _FORMAT_WITHOUT_SHARDS)
+            and _is_count(metadata.get("epoch"), 1)
             and isinstance(metadata.get("weights"), str)
             and _WEIGHTS_NAME.fullmatch(metadata["weights"])
-            and isinstance(metadata.get("bytes"), int)
+            and _is_count(metadata.get("bytes"), 0)
+            and (metadata["format"] == _FORMAT_WITHOUT_SHARDS or _valid_shards(metadata))
         )
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         valid = False
     if not valid:
         raise ValueError(
-            f"{path} is not a tf_adasum backup (expected JSON with format {_FORMAT!r}, epoch, weights, bytes). "
-            f"`backup_dir` must hold only this callback's files. Received: {text[:200]!r}"
+            f"{path} is not a tf_adasum backup (expected JSON with format {_FORMAT!r}, epoch, weights, bytes, "
+            f"replicas, variables, shards). `backup_dir` must hold only this callback's files. "
+            f"Received: {text[:200]!r}"
         )
     return metadata
+
+
+def _is_count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _valid_shards(metadata: dict) -> bool:
+    """Whether the shards named cover replicas 0..replicas-1 in order, each
+    entry a shard file name, its first replica, its replica count and size."""
+    shards, first = metadata.get("shards"), 0
+    if not (_is_count(metadata.get("replicas"), 1) and _is_count(metadata.get("variables"), 0)):
+        return False
+    if not isinstance(shards, list) or not shards:
+        return False
+    for shard in shards:
+        if not (
+            isinstance(shard.get("file"), str)
+            and _SHARD_NAME.fullmatch(shard["file"])
+            and shard.get("first") == first
+            and _is_count(shard.get("count"), 1)
+            and _is_count(shard.get("bytes"), 0)
+        ):
+            return False
+        first += shard["count"]
+    return first == metadata["replicas"]
+
+
+def _shard_name(epoch: int, process: int) -> str:
+    return f"epoch-{epoch:06d}.replicas-{process:05d}.npz"
 
 
 def saved_epoch(backup_dir: str | os.PathLike) -> int:
@@ -138,6 +184,11 @@ def _fsync(path: str, directory: bool = False) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_arrays(path: str, values: dict) -> None:
+    with open(path, "wb") as f:
+        np.savez(f, **values)
 
 
 def _reading_communicates(variables) -> bool:
@@ -195,6 +246,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.restored_epoch = 0
         self._processes: Processes | None = None
+        self._local_replicas = 1
+        self._first_replica = 0
         self._reads_communicate = False
         self._set_initial_epoch = False
 
@@ -219,8 +272,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
         self._processes = Processes.of(strategy)  # the same decision on every process
-        optimizer_variables = list(optimizer.variables) if optimizer is not None else []
-        self._reads_communicate = _reading_communicates(list(model.variables) + optimizer_variables)
+        self._reads_communicate = _reading_communicates(list(model.variables) + self._optimizer_variables())
+        replicas = strategy.num_replicas_in_sync  # of this process, or of every worker together
+        self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas
         metadata, error = None, None
         try:
             metadata = self._find_backup()
@@ -230,40 +284,57 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.restored_epoch:
             # Every process loads, or none: loading may communicate (see `_save_communicates`).
             model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
+            self._restore_replicas(metadata)
             keras_step.set_initial_epoch(model, self.restored_epoch)
             self._set_initial_epoch = True
         elif self._set_initial_epoch:  # left from an earlier interrupted `fit` of this callback
             keras_step.set_initial_epoch(model, None)
             self._set_initial_epoch = False
 
+    def _optimizer_variables(self) -> list:
+        optimizer = self.model.optimizer
+        return list(optimizer.variables) if optimizer is not None else []
+
     def _find_backup(self) -> dict | None:
-        """The metadata of the backup to restore (None: no backup), its weights
-        file checked; no communication."""
+        """The metadata of the backup to restore (None: no backup), every file
+        it names checked for its size; no communication."""
         if self._is_writer:
             os.makedirs(self.backup_dir, exist_ok=True)
         metadata = _read_metadata(self.backup_dir)
         if metadata is None:
             return None
-        weights = os.path.join(self.backup_dir, metadata["weights"])
-        size = os.path.getsize(weights) if os.path.exists(weights) else None
-        if size != metadata["bytes"]:
-            found = "it is missing" if size is None else f"it has {size}"
+        named = [(metadata["weights"], metadata["bytes"])]
+        named += [(shard["file"], shard["bytes"]) for shard in metadata.get("shards", ())]
+        for name, expected in named:
+            path = os.path.join(self.backup_dir, name)
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            if size != expected:
+                found = "it is missing" if size is None else f"it has {size}"
+                raise ValueError(
+                    f"The backup in {self.backup_dir} is damaged: {METADATA_NAME} names {name} of "
+                    f"{expected} bytes, but {found}. Remove `backup_dir` to start afresh."
+                )
+        variables = len(self._optimizer_variables())
+        if metadata.get("variables", variables) != variables:
             raise ValueError(
-                f"The backup in {self.backup_dir} is damaged: {METADATA_NAME} names {metadata['weights']} of "
-                f"{metadata['bytes']} bytes, but {found}. Remove `backup_dir` to start afresh."
+                f"The backup in {self.backup_dir} holds {metadata['variables']} optimizer variables per replica, "
+                f"and this model's optimizer has {variables}: resume with the model and optimizer that made it, "
+                "or remove `backup_dir` to start afresh."
             )
         return metadata
 
     def _agree(self, epoch: int, error: Exception | None) -> int:
-        """One small sum over the processes: slot i holds process i's epoch, slot
-        n + i whether it failed. Raises on every process unless all restored
+        """One small sum over the processes: slot i holds process i's epoch,
+        slot n + i whether it failed, slot 2n + i its replica count (which
+        numbers the replicas). Raises on every process unless all restored
         the same epoch."""
         processes = self._processes
         n, i = processes.count, processes.index
-        local = [0.0] * (2 * n)
-        local[i], local[n + i] = float(epoch), float(error is not None)
+        local = [0.0] * (3 * n)
+        local[i], local[n + i], local[2 * n + i] = float(epoch), float(error is not None), float(self._local_replicas)
         total = processes.sum(local, "the check that every rank restored the same backup")
         epochs, failed = [int(e) for e in total[:n]], [j for j in range(n) if total[n + j]]
+        self._first_replica = int(sum(total[2 * n : 2 * n + i]))
         if error is not None:
             raise error
         if failed:
@@ -281,14 +352,27 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         return epochs[i]
 
+    def _restore_replicas(self, metadata: dict) -> None:
+        """Each local replica's copies of the optimizer's variables from its
+        saved replica's (`tf_adasum.step.replica_states`); a format-1 backup
+        has none, and `model.load_weights` gave every replica replica 0's."""
+        if "shards" not in metadata:
+            return
+        loaded: dict[str, dict] = {}
+
+        def load(replica: int) -> dict:
+            (shard,) = [s for s in metadata["shards"] if s["first"] <= replica < s["first"] + s["count"]]
+            if shard["file"] not in loaded:
+                with np.load(os.path.join(self.backup_dir, shard["file"])) as values:
+                    loaded[shard["file"]] = dict(values)
+            return loaded[shard["file"]]
+
+        replica_states.restore(self._optimizer_variables(), self._first_replica, metadata["replicas"], load)
+
     # -- save -----------------------------------------------------------------------
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._is_writer:
-            self._save(epoch + 1)
-        elif self._save_communicates():  # the same collectives as the writer's save
-            with tempfile.TemporaryDirectory(prefix="tf_adasum_backup_") as scratch:
-                self.model.save_weights(os.path.join(scratch, "discarded.weights.h5"))
+        self._save(epoch + 1)
 
     def _save_communicates(self) -> bool:
         """Whether `model.save_weights` may issue collectives across workers: under
@@ -297,17 +381,52 @@ class BackupAndRestore(keras.callbacks.Callback):
         return self._processes.kind == "worker" and (self._reads_communicate or tf.distribute.has_strategy())
 
     def _save(self, epoch: int) -> None:
-        """Weights file first, then the metadata naming it, each atomically;
-        then the files no backup names any more."""
-        os.makedirs(self.backup_dir, exist_ok=True)
+        """Every process's shard; one small sum (every shard complete, and
+        the replica counts); then the writer's weights file and the metadata
+        naming them all, each atomically; then the files no backup names."""
+        processes = self._processes
+        n, i = processes.count, processes.index
+        shard = _shard_name(epoch, i)
+        variables = self._optimizer_variables()
+        error = None
+        try:
+            os.makedirs(self.backup_dir, exist_ok=True)
+            values = replica_states.read(variables, self._first_replica)
+            self._commit(shard, lambda path: _write_arrays(path, values))
+        except Exception as e:  # noqa: BLE001 - raised below, once every process knows
+            error = e
+        local = [0.0] * (2 * n)
+        local[i], local[n + i] = float(self._local_replicas), float(error is not None)
+        total = processes.sum(local, "the check that every rank wrote its part of the backup")
+        if error is not None:
+            raise error
+        failed = [j for j in range(n) if total[n + j]]
+        if failed:
+            names = ", ".join(f"{processes.kind} {j}" for j in failed[:8])
+            raise RuntimeError(f"BackupAndRestore: {names} could not write its part of the backup (see its error).")
+        self._check_shards_seen(epoch)
+        if not self._is_writer:
+            if self._save_communicates():  # the same collectives as the writer's save
+                with tempfile.TemporaryDirectory(prefix="tf_adasum_backup_") as scratch:
+                    self.model.save_weights(os.path.join(scratch, "discarded.weights.h5"))
+            return
         name = f"epoch-{epoch:06d}-{uuid.uuid4().hex[:8]}.weights.h5"
         self._commit(name, self.model.save_weights)
+        shards, first = [], 0
+        for j, count in enumerate(int(c) for c in total[:n]):
+            file = _shard_name(epoch, j)
+            size = os.path.getsize(os.path.join(self.backup_dir, file))
+            shards.append({"file": file, "first": first, "count": count, "bytes": size})
+            first += count
         metadata = {
             "format": _FORMAT,
             "epoch": epoch,
             "weights": name,
             "bytes": os.path.getsize(os.path.join(self.backup_dir, name)),
-            "processes": self._processes.count,
+            "processes": n,
+            "replicas": first,
+            "variables": len(variables),
+            "shards": shards,
             "keras": keras.__version__,
         }
 
@@ -316,7 +435,26 @@ class BackupAndRestore(keras.callbacks.Callback):
                 json.dump(metadata, f)
 
         self._commit(METADATA_NAME, write_metadata)
-        self._remove_files(keep=(METADATA_NAME, name))
+        self._remove_files(keep=(METADATA_NAME, name, *(s["file"] for s in shards)))
+
+    def _check_shards_seen(self, epoch: int) -> None:
+        """One small sum: whether every process sees every process's shard in
+        `backup_dir`; a `ValueError` on every process otherwise (a folder per
+        process instead of a shared one), before the metadata names them."""
+        processes = self._processes
+        n, i = processes.count, processes.index
+        missing = [j for j in range(n) if not os.path.exists(os.path.join(self.backup_dir, _shard_name(epoch, j)))]
+        local = [0.0] * n
+        local[i] = float(bool(missing))
+        blind = [j for j, flag in enumerate(processes.sum(local, "the check that every rank sees the backup")) if flag]
+        if blind:
+            seen = f" (this one misses {_shard_name(epoch, missing[0])})" if missing else ""
+            names = ", ".join(f"{processes.kind} {j}" for j in blind[:8])
+            raise ValueError(
+                f"BackupAndRestore: {names} cannot see every process's part of the backup in {self.backup_dir}"
+                f"{seen}. Every process must see the same `backup_dir`, a folder on a filesystem shared by all "
+                "of them, written only by this run."
+            )
 
     def _commit(self, name: str, write: Callable[[str], None]) -> None:
         """Makes ``backup_dir/name`` appear complete or not at all: `write` to a
@@ -334,7 +472,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _remove_files(self, keep=()) -> None:
         """Removes this callback's files (weights, metadata, temporaries) except `keep`."""
         for entry in sorted(os.listdir(self.backup_dir)):
-            ours = entry == METADATA_NAME or entry.startswith(_TEMP_PREFIX) or _WEIGHTS_NAME.fullmatch(entry)
+            ours = (
+                entry == METADATA_NAME
+                or entry.startswith(_TEMP_PREFIX)
+                or _WEIGHTS_NAME.fullmatch(entry)
+                or _SHARD_NAME.fullmatch(entry)
+            )
             if ours and entry not in keep:
                 try:
                     os.remove(os.path.join(self.backup_dir, entry))
