@@ -409,7 +409,8 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
     label = "rank" if engine == "mpi" else "worker"
     for rank, report in enumerate(_reports(tmp_path, "mismatch")):  # a folder per process
         assert report["raised"] and report["type"] == "ValueError", report
-        assert f"{label} 0, {label} 1 cannot see every process's part of the backup in {tmp_path}/own" in (
-            report["message"]
+        assert (
+            f"{label} 0, {label} 1 cannot see every process's part of the backup in {tmp_path}/own"
+            in (report["message"])
         )
         assert f"this one misses epoch-000001.replicas-{1 - rank:05d}.npz" in report["message"]
