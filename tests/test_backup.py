@@ -15,6 +15,7 @@ collectives in the same order, float64 tree partials).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -61,13 +62,14 @@ def _job(strategy, seed, mode="gradient", inner=lambda: keras.optimizers.Adam(0.
     return model
 
 
-def _fit(model, folder, callbacks=()):
-    """Epochs saved_epoch(folder)..EPOCHS-1, each its own seeded order of the batches."""
+def _fit(model, folder, callbacks=(), **options):
+    """Epochs saved_epoch(folder)..EPOCHS-1, each its own seeded order of the
+    batches (a backup inside an epoch: the callback skips the batches it holds)."""
     x, y = simulation_data(STEPS)
     start = backup.saved_epoch(folder)
     order = np.concatenate([np.random.default_rng(e).permutation(STEPS * BATCH) for e in range(start, EPOCHS)])
     dataset = tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(BATCH)
-    restoring = backup.BackupAndRestore(folder)
+    restoring = backup.BackupAndRestore(folder, **options)
     callbacks = [restoring, *callbacks]
     model.fit(dataset, epochs=EPOCHS, steps_per_epoch=STEPS, shuffle=False, verbose=0, callbacks=callbacks)
     return restoring
@@ -167,6 +169,68 @@ def test_resume_at_another_replica_count(tmp_path, saved, resumed, combiner):
     assert not folder.exists()
 
 
+class _InterruptAtBatch(keras.callbacks.Callback):
+    """Raises before the run's batch `number` (counted over the epochs from 0)."""
+
+    def __init__(self, number):
+        super().__init__()
+        self.number, self.epoch = number, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch * STEPS + batch == self.number:
+            raise RuntimeError("interrupted")
+
+
+def test_resumes_inside_an_epoch_exactly(tmp_path):
+    """save_freq=2 over epochs of 3 batches: killed before batch 9 (epoch 3's
+    first), the backup holds 8 batches (epoch 2 and 2 of its batches); the
+    resumed run reads epoch 2 from its start, trains on none of the two
+    batches the backup holds, and ends on the uninterrupted run's weights and every replica's state;
+    the step counter is epochs x steps."""
+    strategy_fn = lambda: mirrored(2)[0]  # noqa: E731
+    reference = _job(strategy_fn(), seed=1, mode="delta")
+    _fit(reference, tmp_path / "reference", save_freq=2)
+    folder = tmp_path / "backup"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_job(strategy_fn(), seed=1, mode="delta"), folder, [_InterruptAtBatch(9)], save_freq=2)
+    assert backup.saved_position(folder) == (2, 2) and backup.saved_epoch(folder) == 2
+    resumed = _job(strategy_fn(), seed=2, mode="delta")
+    restoring = _fit(resumed, folder, save_freq=2)
+    assert (restoring.restored_epoch, restoring.restored_batch) == (2, 2)
+    assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * STEPS
+    _assert_bitwise_equal(_state(resumed), _state(reference))
+
+
+class _SigtermAtBatch(_InterruptAtBatch):
+    """Sends this process SIGTERM as the run's batch `number` begins."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch * STEPS + batch == self.number:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_backs_up_after_its_batch_then_exits(tmp_path):
+    """SIGTERM during batch 7: a backup after it, holding 8 batches (none lost),
+    SystemExit(143), SIGTERM's handler given back; the resumed run ends on
+    the uninterrupted run's state."""
+    reference = _job(tf.distribute.get_strategy(), seed=1)
+    _fit(reference, tmp_path / "reference")
+    folder = tmp_path / "backup"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        _fit(_job(tf.distribute.get_strategy(), seed=1), folder, [_SigtermAtBatch(7)], save_before_preemption=True)
+    assert exited.value.code == backup.PREEMPTED_EXIT_CODE == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert backup.saved_position(folder) == (2, 2)
+    resumed = _job(tf.distribute.get_strategy(), seed=2)
+    _fit(resumed, folder, save_before_preemption=True)
+    assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * STEPS
+    _assert_bitwise_equal(_state(resumed), _state(reference))
+
+
 def test_torn_and_stale_files(tmp_path):
     """A temporary file and an orphan weights file (a kill inside a save) are
     ignored, then removed by the next save; a metadata file naming a missing
@@ -184,7 +248,7 @@ def test_torn_and_stale_files(tmp_path):
     names = sorted(os.listdir(folder))
     assert names[0] == "backup.json" and names[3] == "notes.txt" and len(names) == 4, names
     assert names[1] != current and names[1].startswith("epoch-000002-") and names[1].endswith(".weights.h5")
-    assert names[2] == "epoch-000002.replicas-00000.npz"
+    assert names[2] == "epoch-000002-batch-000000.replicas-00000.npz"
 
     metadata = json.loads((folder / "backup.json").read_text())
     assert metadata["replicas"] == 1 and metadata["shards"][0]["file"] == names[2]
@@ -250,12 +314,25 @@ def test_arguments_are_checked(tmp_path):
     ):
         with pytest.raises(error, match=message):
             backup.BackupAndRestore(value)
-    with pytest.raises(NotImplementedError, match="Received: save_freq=100"):
-        backup.BackupAndRestore(tmp_path, save_freq=100)
+    with pytest.raises(ValueError, match="an integer >= 1. Received: save_freq=0"):
+        backup.BackupAndRestore(tmp_path, save_freq=0)
     with pytest.raises(ValueError, match="Received: save_freq='batch'"):
         backup.BackupAndRestore(tmp_path, save_freq="batch")
     with pytest.raises(TypeError, match="Received: delete_checkpoint='yes'"):
         backup.BackupAndRestore(tmp_path, delete_checkpoint="yes")
+    with pytest.raises(TypeError, match="Received: save_before_preemption=1"):
+        backup.BackupAndRestore(tmp_path, save_before_preemption=1)
+    x, y = simulation_data(STEPS)
+    model = _job(tf.distribute.get_strategy(), seed=1)
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().filter(lambda a, b: True)
+    with pytest.raises(ValueError, match="pass `steps_per_epoch` to `fit`. Received: save_freq=2"):
+        model.fit(
+            endless.take(STEPS),
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=[backup.BackupAndRestore(tmp_path, save_freq=2)],
+        )
     assert backup.saved_epoch(tmp_path / "missing") == 0
 
 
@@ -269,11 +346,11 @@ def test_missing_keras_attribute_is_a_loud_error(tmp_path):
 def _checked(index, count, epochs, failed=(), own_error=None):
     """`_agree` on process `index` when the processes' sum gives `epochs` and `failed`."""
     callback = backup.BackupAndRestore("unused")
-    totals = [float(e) for e in epochs] + [float(j in failed) for j in range(count)] + [1.0] * count
+    totals = [float(e) for e in epochs] + [float(j in failed) for j in range(count)] + [1.0] * count + [0.0] * count
     callback._processes = Processes("worker", index, count, lambda values, what: totals)
-    epoch = callback._agree(epochs[index], own_error)
+    position = callback._agree(backup.Position(epochs[index], 0), own_error)
     assert callback._first_replica == index  # one replica a process
-    return epoch
+    return position.epoch
 
 
 def test_every_process_checks_the_epochs():
@@ -334,6 +411,35 @@ def _backup_files(out):
     metadata = json.loads((out / "backup" / "backup.json").read_text())
     weights = [n for n in names if n.startswith("epoch-") and n.endswith(".weights.h5")]
     return metadata, [n for n in names if n.startswith(".tmp-")], weights
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param("workers", marks=pytest.mark.multiworker), pytest.param("mpi", marks=pytest.mark.mpi)]
+)
+def test_sigterm_to_one_process_backs_up_every_process(engine, tmp_path):
+    """Process 1 alone gets SIGTERM during batch 7: every process backs up
+    after that batch (8 of 12 held: none lost) and exits with 143; the relaunch
+    resumes at epoch 2 batch 2 and ends on the uninterrupted run's weights
+    and each process's own optimizer state, with 12 steps counted."""
+    env = worker_env()
+    if engine == "mpi":
+        command = mpirun_command(2) + [sys.executable]
+    else:
+        command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
+    outputs = []
+    for step in (1, 2):
+        run = [*command, BACKUP_WORKER, str(step), str(tmp_path), "preempt"]
+        result = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+        outputs.append(result.stdout[-3000:] + result.stderr[-3000:])
+        assert (result.returncode != 0) == (step == 1), "\n".join(outputs)
+        if step == 1:
+            assert backup.saved_position(tmp_path / "backup") == (2, 2), "\n".join(outputs)
+            assert not [p for p in os.listdir(tmp_path) if p.startswith("preempt_rank")]
+    for report in _reports(tmp_path, "preempt"):
+        assert report == {"restored": [2, 2], "iterations": EPOCHS * STEPS}
+    for rank in range(2):
+        reference, final = (np.load(tmp_path / f"{name}_rank{rank}.npz") for name in ("reference", "final"))
+        _assert_bitwise_equal([final[f] for f in final.files], [reference[f] for f in reference.files])
 
 
 @pytest.mark.parametrize(
@@ -413,4 +519,4 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
             f"{label} 0, {label} 1 cannot see every process's part of the backup in {tmp_path}/own"
             in (report["message"])
         )
-        assert f"this one misses epoch-000001.replicas-{1 - rank:05d}.npz" in report["message"]
+        assert f"this one misses epoch-000001-batch-000000.replicas-{1 - rank:05d}.npz" in report["message"]

@@ -62,9 +62,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import tempfile
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -73,7 +75,7 @@ import tensorflow as tf
 from tf_adasum.processes import Processes
 from tf_adasum.step import keras_step, replica_states
 
-__all__ = ["METADATA_NAME", "BackupAndRestore", "saved_epoch"]
+__all__ = ["METADATA_NAME", "PREEMPTED_EXIT_CODE", "BackupAndRestore", "Position", "saved_epoch", "saved_position"]
 
 #: The file that names the current backup; written last, replaced atomically.
 METADATA_NAME = "backup.json"
@@ -82,7 +84,9 @@ _FORMAT = "tf_adasum.backup/2"
 _FORMAT_WITHOUT_SHARDS = "tf_adasum.backup/1"
 _TEMP_PREFIX = ".tmp-"
 _WEIGHTS_NAME = re.compile(r"epoch-\d{6,}-[0-9a-f]{8}\.weights\.h5")
-_SHARD_NAME = re.compile(r"epoch-\d{6,}\.replicas-\d{5,}\.npz")
+_SHARD_NAME = re.compile(r"epoch-\d{6,}-batch-\d{6,}\.replicas-\d{5,}\.npz")
+#: The exit code of every process after the backup that a SIGTERM asked for (128 + SIGTERM, as a shell shows it).
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 _COMMUNICATING_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
 
@@ -120,7 +124,9 @@ def _read_metadata(backup_dir: str) -> dict | None:
         metadata = json.loads(text)
         valid = (
             metadata.get("format") in (_FORMAT, _FORMAT_WITHOUT_SHARDS)
-            and _is_count(metadata.get("epoch"), 1)
+            and _is_count(metadata.get("epoch"), 0)
+            and _is_count(metadata.get("batch", 0), 0)
+            and metadata["epoch"] + metadata.get("batch", 0) >= 1
             and isinstance(metadata.get("weights"), str)
             and _WEIGHTS_NAME.fullmatch(metadata["weights"])
             and _is_count(metadata.get("bytes"), 0)
@@ -145,7 +151,8 @@ def _valid_shards(metadata: dict) -> bool:
     """Whether the shards named cover replicas 0..replicas-1 in order, each
     entry a shard file name, its first replica, its replica count and size."""
     shards, first = metadata.get("shards"), 0
-    if not (_is_count(metadata.get("replicas"), 1) and _is_count(metadata.get("variables"), 0)):
+    counts = (("replicas", 1), ("variables", 0), ("batch", 0))
+    if not all(_is_count(metadata.get(name), least) for name, least in counts):
         return False
     if not isinstance(shards, list) or not shards:
         return False
@@ -162,8 +169,19 @@ def _valid_shards(metadata: dict) -> bool:
     return first == metadata["replicas"]
 
 
-def _shard_name(epoch: int, process: int) -> str:
-    return f"epoch-{epoch:06d}.replicas-{process:05d}.npz"
+def _shard_name(position: Position, process: int) -> str:
+    return f"epoch-{position.epoch:06d}-batch-{position.batch:06d}.replicas-{process:05d}.npz"
+
+
+class Position(NamedTuple):
+    """Where a backup stands: `epoch` epochs complete and `batch` batches of
+    the next one (the run's batch count is ``epoch * steps_per_epoch + batch``)."""
+
+    epoch: int
+    batch: int
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}" + (f" batch {self.batch}" if self.batch else "")
 
 
 def saved_epoch(backup_dir: str | os.PathLike) -> int:
@@ -174,8 +192,21 @@ def saved_epoch(backup_dir: str | os.PathLike) -> int:
     epoch training will resume from (``dataset.skip(saved_epoch(d) * steps)``,
     or one seeded shuffle per epoch from that epoch on).
     """
+    return saved_position(backup_dir).epoch
+
+
+def saved_position(backup_dir: str | os.PathLike) -> Position:
+    """Where the backup in `backup_dir` stands: ``Position(epoch, batch)``,
+    epochs complete and batches of the next one (``Position(0, 0)`` without
+    a backup; batch 0 for every backup of ``save_freq="epoch"``).
+
+    Reads ``backup.json`` only, like `saved_epoch`: build the input pipeline
+    from it, so that the resumed run reads the batches after the backup's and
+    no other (``epoch_batches(epoch).skip(batch)`` for the first epoch, then
+    the later epochs whole; or ``stream.skip(epoch * steps + batch)``).
+    """
     metadata = _read_metadata(_backup_dir_argument(backup_dir))
-    return 0 if metadata is None else metadata["epoch"]
+    return Position(0, 0) if metadata is None else Position(metadata["epoch"], metadata.get("batch", 0))
 
 
 def _fsync(path: str, directory: bool = False) -> None:
@@ -216,13 +247,25 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
       backup_dir: the folder of the backup (created by the writer if missing).
-      save_freq: ``"epoch"``: a backup at the end of every epoch.
+      save_freq: ``"epoch"``: a backup at the end of every epoch; an integer
+        K >= 1: a backup whenever the run's batch count (over all epochs)
+        reaches a multiple of K, with its position in the epoch, and none at
+        the end of an epoch otherwise (as in Keras). Resuming inside an epoch
+        needs ``steps_per_epoch`` and an input pipeline that starts at
+        `saved_position` (see the module docstring).
       delete_checkpoint: delete the backup when `model.fit` completes (as
         Keras does); it is always kept when training is interrupted.
+      save_before_preemption: on SIGTERM (a preemption notice) to any
+        process, every process backs up after the batch it is in, then
+        raises ``SystemExit(PREEMPTED_EXIT_CODE)``: no batch is lost. Costs
+        one tiny sum over the processes per batch when there are several.
+        `fit` must run in the main thread.
 
     Attributes:
       restored_epoch: after ``on_train_begin``, the epoch training resumed
-        from (0: no backup, training started afresh).
+        in (0 also when training started afresh).
+      restored_batch: the batches of that epoch the backup holds already
+        (their train calls are skipped: nothing is read or trained).
 
     Raises (on every process, before any training step): `ValueError` when the
     processes found backups of different epochs (each process's epoch is
@@ -230,21 +273,33 @@ class BackupAndRestore(keras.callbacks.Callback):
     failed to read the backup (that process raises its own error).
     """
 
-    def __init__(self, backup_dir: str | os.PathLike, save_freq: str = "epoch", delete_checkpoint: bool = True):
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        save_before_preemption: bool = False,
+    ):
         super().__init__()
         self.backup_dir = _backup_dir_argument(backup_dir)
         if isinstance(save_freq, int) and not isinstance(save_freq, bool):
-            raise NotImplementedError(
-                "BackupAndRestore saves at the end of each epoch only: resuming mid-epoch would also need the "
-                f"input pipeline's position. Use save_freq='epoch'. Received: save_freq={save_freq!r}"
-            )
-        if save_freq != "epoch":
-            raise ValueError(f"`save_freq` must be 'epoch'. Received: save_freq={save_freq!r}")
-        if not isinstance(delete_checkpoint, bool):
-            raise TypeError(f"`delete_checkpoint` must be a bool. Received: delete_checkpoint={delete_checkpoint!r}")
+            if save_freq < 1:
+                raise ValueError(f"`save_freq` must be 'epoch' or an integer >= 1. Received: save_freq={save_freq}")
+        elif save_freq != "epoch":
+            raise ValueError(f"`save_freq` must be 'epoch' or an integer >= 1. Received: save_freq={save_freq!r}")
+        flags = {"delete_checkpoint": delete_checkpoint, "save_before_preemption": save_before_preemption}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool. Received: {name}={value!r}")
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
         self.restored_epoch = 0
+        self.restored_batch = 0
+        self._epoch = 0
+        self._saved_batches = 0  # the run's batches the latest backup holds
+        self._preempted = False
+        self._previous_handler = None
         self._processes: Processes | None = None
         self._local_replicas = 1
         self._first_replica = 0
@@ -280,16 +335,53 @@ class BackupAndRestore(keras.callbacks.Callback):
             metadata = self._find_backup()
         except Exception as e:  # noqa: BLE001 - raised below, once every process knows
             error = e
-        self.restored_epoch = self._agree(metadata["epoch"] if metadata else 0, error)
-        if self.restored_epoch:
+        steps = self._steps_per_epoch()
+        position = Position(metadata["epoch"], metadata.get("batch", 0)) if metadata else Position(0, 0)
+        self.restored_epoch, self.restored_batch = self._agree(position, error)
+        self._saved_batches = self.restored_epoch * steps + self.restored_batch if steps else 0
+        if metadata is not None:
             # Every process loads, or none: loading may communicate (see `_save_communicates`).
             model.load_weights(os.path.join(self.backup_dir, metadata["weights"]))
             self._restore_replicas(metadata)
             keras_step.set_initial_epoch(model, self.restored_epoch)
+            keras_step.skip_train_calls(model, self.restored_batch // model.steps_per_execution)
             self._set_initial_epoch = True
         elif self._set_initial_epoch:  # left from an earlier interrupted `fit` of this callback
             keras_step.set_initial_epoch(model, None)
             self._set_initial_epoch = False
+        if self.save_before_preemption:
+            self._catch_sigterm()
+
+    def _steps_per_epoch(self) -> int | None:
+        """The epoch's batches (`fit`'s ``steps_per_epoch``, or the data's
+        known length); a `ValueError` if a position inside an epoch needs it
+        and it is unknown."""
+        steps = (self.params or {}).get("steps")
+        if steps is None and (self.save_freq != "epoch" or self.save_before_preemption):
+            raise ValueError(
+                "BackupAndRestore with an integer `save_freq` or `save_before_preemption=True` backs up inside "
+                "an epoch, so it needs the epoch's length: pass `steps_per_epoch` to `fit`. Received: "
+                f"save_freq={self.save_freq!r}, save_before_preemption={self.save_before_preemption}, and "
+                "no steps_per_epoch"
+            )
+        return steps
+
+    def _catch_sigterm(self) -> None:
+        def preempted(signum, frame):
+            self._preempted = True
+
+        try:
+            self._previous_handler = signal.signal(signal.SIGTERM, preempted)
+        except ValueError as e:  # not the main thread
+            raise RuntimeError(
+                "BackupAndRestore(save_before_preemption=True) catches SIGTERM, which Python allows in the "
+                f"main thread only: call `fit` there. ({e})"
+            ) from e
+
+    def _release_sigterm(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
 
     def _optimizer_variables(self) -> list:
         optimizer = self.model.optimizer
@@ -323,17 +415,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         return metadata
 
-    def _agree(self, epoch: int, error: Exception | None) -> int:
+    def _agree(self, position: Position, error: Exception | None) -> Position:
         """One small sum over the processes: slot i holds process i's epoch,
         slot n + i whether it failed, slot 2n + i its replica count (which
-        numbers the replicas). Raises on every process unless all restored
-        the same epoch."""
+        numbers the replicas), slot 3n + i its batch in the epoch. Raises on
+        every process unless all restored the same position."""
         processes = self._processes
         n, i = processes.count, processes.index
-        local = [0.0] * (3 * n)
-        local[i], local[n + i], local[2 * n + i] = float(epoch), float(error is not None), float(self._local_replicas)
+        local = [0.0] * (4 * n)
+        local[i], local[n + i] = float(position.epoch), float(error is not None)
+        local[2 * n + i], local[3 * n + i] = float(self._local_replicas), float(position.batch)
         total = processes.sum(local, "the check that every rank restored the same backup")
-        epochs, failed = [int(e) for e in total[:n]], [j for j in range(n) if total[n + j]]
+        positions = [Position(int(total[j]), int(total[3 * n + j])) for j in range(n)]
+        failed = [j for j in range(n) if total[n + j]]
         self._first_replica = int(sum(total[2 * n : 2 * n + i]))
         if error is not None:
             raise error
@@ -343,14 +437,14 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"BackupAndRestore: {names} could not restore from {self.backup_dir} (see its error); "
                 "no process starts training."
             )
-        if len(set(epochs)) > 1:
-            listed = ", ".join(f"{processes.kind} {j}: epoch {e}" for j, e in enumerate(epochs[:16]))
+        if len(set(positions)) > 1:
+            listed = ", ".join(f"{processes.kind} {j}: {p}" for j, p in enumerate(positions[:16]))
             raise ValueError(
                 f"BackupAndRestore: the processes found backups of different epochs in {self.backup_dir} "
                 f"({listed}{', ...' if n > 16 else ''}). Every process must see the same `backup_dir`, a "
                 "folder on a filesystem shared by all of them, written only by this run."
             )
-        return epochs[i]
+        return positions[i]
 
     def _restore_replicas(self, metadata: dict) -> None:
         """Each local replica's copies of the optimizer's variables from its
@@ -371,8 +465,30 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- save -----------------------------------------------------------------------
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        """A backup when the run's batch count reaches a multiple of an integer
+        `save_freq`, or when any process got SIGTERM (then `SystemExit`)."""
+        preempted = False
+        if self.save_before_preemption:
+            preempted = self._processes.sum([float(self._preempted)], "the check for a preemption notice")[0] > 0
+        if self.save_freq == "epoch" and not preempted:
+            return
+        steps = self.params["steps"]
+        done = self._epoch * steps + batch + 1  # the run's batches, this one included
+        if done <= self._saved_batches:
+            return  # a batch the backup held already (skipped on resume)
+        if preempted or (self.save_freq != "epoch" and done // self.save_freq > self._saved_batches // self.save_freq):
+            self._save(Position(*divmod(done, steps)))
+        if preempted:
+            self._release_sigterm()
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
     def on_epoch_end(self, epoch, logs=None):
-        self._save(epoch + 1)
+        if self.save_freq == "epoch":
+            self._save(Position(epoch + 1, 0))
 
     def _save_communicates(self) -> bool:
         """Whether `model.save_weights` may issue collectives across workers: under
@@ -380,13 +496,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         variable (see the module docstring). The same answer on every worker."""
         return self._processes.kind == "worker" and (self._reads_communicate or tf.distribute.has_strategy())
 
-    def _save(self, epoch: int) -> None:
+    def _save(self, position: Position) -> None:
         """Every process's shard; one small sum (every shard complete, and
         the replica counts); then the writer's weights file and the metadata
         naming them all, each atomically; then the files no backup names."""
         processes = self._processes
         n, i = processes.count, processes.index
-        shard = _shard_name(epoch, i)
+        epoch = position.epoch
+        self._saved_batches = epoch * ((self.params or {}).get("steps") or 0) + position.batch  # on every process
+        shard = _shard_name(position, i)
         variables = self._optimizer_variables()
         error = None
         try:
@@ -404,7 +522,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if failed:
             names = ", ".join(f"{processes.kind} {j}" for j in failed[:8])
             raise RuntimeError(f"BackupAndRestore: {names} could not write its part of the backup (see its error).")
-        self._check_shards_seen(epoch)
+        self._check_shards_seen(position)
         if not self._is_writer:
             if self._save_communicates():  # the same collectives as the writer's save
                 with tempfile.TemporaryDirectory(prefix="tf_adasum_backup_") as scratch:
@@ -414,13 +532,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._commit(name, self.model.save_weights)
         shards, first = [], 0
         for j, count in enumerate(int(c) for c in total[:n]):
-            file = _shard_name(epoch, j)
+            file = _shard_name(position, j)
             size = os.path.getsize(os.path.join(self.backup_dir, file))
             shards.append({"file": file, "first": first, "count": count, "bytes": size})
             first += count
         metadata = {
             "format": _FORMAT,
             "epoch": epoch,
+            "batch": position.batch,
             "weights": name,
             "bytes": os.path.getsize(os.path.join(self.backup_dir, name)),
             "processes": n,
@@ -437,18 +556,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._commit(METADATA_NAME, write_metadata)
         self._remove_files(keep=(METADATA_NAME, name, *(s["file"] for s in shards)))
 
-    def _check_shards_seen(self, epoch: int) -> None:
+    def _check_shards_seen(self, position: Position) -> None:
         """One small sum: whether every process sees every process's shard in
         `backup_dir`; a `ValueError` on every process otherwise (a folder per
         process instead of a shared one), before the metadata names them."""
         processes = self._processes
         n, i = processes.count, processes.index
-        missing = [j for j in range(n) if not os.path.exists(os.path.join(self.backup_dir, _shard_name(epoch, j)))]
+        missing = [j for j in range(n) if not os.path.exists(os.path.join(self.backup_dir, _shard_name(position, j)))]
         local = [0.0] * n
         local[i] = float(bool(missing))
         blind = [j for j, flag in enumerate(processes.sum(local, "the check that every rank sees the backup")) if flag]
         if blind:
-            seen = f" (this one misses {_shard_name(epoch, missing[0])})" if missing else ""
+            seen = f" (this one misses {_shard_name(position, missing[0])})" if missing else ""
             names = ", ".join(f"{processes.kind} {j}" for j in blind[:8])
             raise ValueError(
                 f"BackupAndRestore: {names} cannot see every process's part of the backup in {self.backup_dir}"
@@ -487,6 +606,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # -- completion -------------------------------------------------------------------
 
     def on_train_end(self, logs=None):
+        self._release_sigterm()
         if self._set_initial_epoch:  # applies to this `fit` only (Keras' own callback leaves it set)
             keras_step.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False

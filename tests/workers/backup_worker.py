@@ -2,6 +2,7 @@
 MultiWorkerMirroredStrategy) or by `mpirun` (the MPI engine).
 
     python backup_worker.py STEP OUTDIR WRITER_FAULT
+    python backup_worker.py STEP OUTDIR preempt    (see `run_preemption`)
 
 Every step trains the same job (a Dense layer, AdasumOptimizer in delta
 mode over Adam, so each process's moments are its own, EPOCHS epochs of STEPS batches, each epoch its own seeded
@@ -32,6 +33,7 @@ input pipeline starts at `tf_adasum.backup.saved_epoch`, as the README says.
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -59,6 +61,8 @@ TIMEOUT_SECONDS = float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "60"))
 #: What goes wrong in chain step 1 (the writer's fault) and 2, and in which epoch.
 WRITER_FAULT_EPOCH, MID_EPOCH_FAULT_EPOCH = 1, 2
 LAST_STEP = 3
+#: The run's batch during which process 1 gets SIGTERM (of EPOCHS * STEPS, counted from 0).
+PREEMPTED_BATCH = 7
 KILLED = 23
 
 
@@ -235,10 +239,53 @@ def run_mismatch(job, out, model):
         json.dump(report, f)
 
 
+class SigtermAtBatch(keras.callbacks.Callback):
+    """Sends this process SIGTERM as the run's batch `number` begins."""
+
+    def __init__(self, number):
+        super().__init__()
+        self.number, self.epoch = number, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch * STEPS + batch == self.number:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_preemption(job, out, step):
+    """Backups every 2 batches and on SIGTERM. Step 1: the reference run, then
+    process 1 alone gets SIGTERM during batch PREEMPTED_BATCH: every process
+    backs up after it and exits with PREEMPTED_EXIT_CODE (Python's own exit,
+    as a user's script would). Step 2: the resumed run completes."""
+    options = {"save_freq": 2, "save_before_preemption": True}
+    if step == 1:
+        folder = os.path.join(out, "reference_backup")
+        model = job.model()
+        job.fit(model, 0, [backup.BackupAndRestore(folder, **options)])
+        save_state(model, os.path.join(out, f"reference_rank{job.rank}.npz"))
+    folder = os.path.join(out, "backup")
+    restoring = backup.BackupAndRestore(folder, **options)
+    callbacks = [SigtermAtBatch(PREEMPTED_BATCH)] if step == 1 and job.rank == 1 else []
+    model = job.model()
+    job.fit(model, backup.saved_epoch(folder), [*callbacks, restoring])
+    report = {"restored": [restoring.restored_epoch, restoring.restored_batch]}
+    report["iterations"] = int(model.optimizer.iterations.numpy())
+    with open(os.path.join(out, f"preempt_rank{job.rank}.json"), "w") as f:
+        json.dump(report, f)
+    save_state(model, os.path.join(out, f"final_rank{job.rank}.npz"))
+
+
 def main():
     step, out, writer_fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    assert writer_fault in ("inside", "between"), writer_fault
+    assert writer_fault in ("inside", "between", "preempt"), writer_fault
     job = Job()
+    if writer_fault == "preempt":
+        run_preemption(job, out, step)
+        if job.strategy is None:
+            mpi_transport.mpi().Finalize()
+        os._exit(0)
     try:
         if step == 1:
             run_reference(job, out)

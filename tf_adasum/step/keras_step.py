@@ -115,3 +115,28 @@ def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
             f"keras.callbacks.BackupAndRestore does), which Keras {keras.__version__} no longer has."
         )
     model._initial_epoch = epoch
+
+
+def skip_train_calls(model: keras.Model, calls: int) -> None:
+    """Makes the next `calls` calls of `model.train_function` (which `fit`
+    made before ``on_train_begin``) read their batches and train on none:
+    the batches of a resumed epoch that its backup holds already. Then the
+    train function is `fit`'s own again."""
+    train_function = getattr(model, "train_function", None)
+    if not callable(train_function):
+        raise RuntimeError(
+            "tf_adasum resumes inside an epoch through keras.Model.train_function, made by `fit` before "
+            f"`on_train_begin`; with Keras {keras.__version__} it is {train_function!r} there."
+        )
+    left = [calls]
+
+    def skipping(iterator):
+        left[0] -= 1
+        if left[0] <= 0:
+            model.train_function = train_function
+        for _ in range(model.steps_per_execution):
+            next(iterator)  # the end of the data ends the epoch, as in `fit`
+        return {}
+
+    if calls > 0:
+        model.train_function = skipping
