@@ -60,7 +60,14 @@ LAYERS = {
 }
 EVAL_LAYER = 10  # tf_adasum.eval.*: the evaluation, on top (its modules may import each other)
 #: Standard library only: import nothing of ours but the launcher's modules (tf_adasum/launcher/).
-STANDALONE = {"launch", "launcher.helper", "launcher.mpirun", "launcher.children", "launcher.tf_config"}
+STANDALONE = {
+    "launch",
+    "launcher.children",
+    "launcher.elastic",
+    "launcher.helper",
+    "launcher.mpirun",
+    "launcher.tf_config",
+}
 PACKAGE_INITS = {"", "comm", "engines", "eval", "launcher", "native", "step", "tree"}
 
 

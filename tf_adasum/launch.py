@@ -56,16 +56,18 @@ import tempfile
 from collections.abc import Sequence
 
 if __package__:
-    from tf_adasum.launcher import children, helper, tf_config
+    from tf_adasum.launcher import children, elastic, helper, tf_config
     from tf_adasum.launcher.children import NetworkIsolationError
+    from tf_adasum.launcher.elastic import ElasticError
     from tf_adasum.launcher.mpirun import emulated_hosts_command, require_mpirun
 else:  # run by path (python [-I -S] tf_adasum/launch.py): the package beside it, without tf_adasum's (TF's) import
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from launcher import children, helper, tf_config
+    from launcher import children, elastic, helper, tf_config
     from launcher.children import NetworkIsolationError
+    from launcher.elastic import ElasticError
     from launcher.mpirun import emulated_hosts_command, require_mpirun
 
-__all__ = ["NetworkIsolationError", "launch", "main"]
+__all__ = ["ElasticError", "NetworkIsolationError", "launch", "main"]
 
 #: The TF_CONFIG port of worker i on an emulated host (each host's ports are its own).
 HOST_PORT_BASE = 20000
@@ -147,6 +149,10 @@ def launch(
     hosts: int | None = None,
     link: str | None = None,
     mpirun: bool = False,
+    min_workers: int | None = None,
+    max_restarts: int = 0,
+    discover: str | None = None,
+    wait_seconds: float = 60.0,
 ) -> int:
     """Runs `command` as `num_workers` workers of a cluster on this machine
     (localhost, or emulated hosts), or with `mpirun` as MPI ranks.
@@ -172,12 +178,21 @@ def launch(
       mpirun: with `hosts`, run `command` as `num_workers` MPI ranks under
         one ``mpirun`` (the one beside this Python, else on PATH) across the
         emulated hosts instead of as TF_CONFIG workers (as root).
+      min_workers, max_restarts, discover, wait_seconds: an elastic run
+        (`tf_adasum/launcher/elastic.py`): rounds of as many workers as the
+        `discover` shell command says are available (`num_workers` without
+        one), at least `min_workers` (waiting up to `wait_seconds` for them;
+        default `num_workers`); a failed round is relaunched up to
+        `max_restarts` times; a change of the count available ends the round
+        with SIGTERM (the workers back up) and starts one at the new size.
+        TF_CONFIG workers only, not with `mpirun`.
 
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
       (a worker killed by signal S gives 128 + S; a program that cannot be
       started gives 127, with the reason in the output); with `mpirun`,
-      mpirun's exit code.
+      mpirun's exit code. Elastic: 0 once a round finished, else the last
+      failed round's code.
 
     Raises:
       NetworkIsolationError: `isolate_network` or `hosts` is set and the
@@ -185,6 +200,8 @@ def launch(
         is set without root or without an mpirun; no worker was started.
       TypeError, ValueError: an argument of the wrong type or value, named
         with the value received.
+      ElasticError: an elastic run's discovery failed or printed garbage,
+        or too few workers were available for `wait_seconds`.
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"`num_workers` must be an int >= 1. Received: num_workers={num_workers!r}")
@@ -213,9 +230,30 @@ def launch(
             "`isolate_network` and `hosts` exclude each other (the emulated hosts are private already). "
             f"Received: isolate_network=True, hosts={hosts!r}"
         )
+    settings = elastic.Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
+    settings = settings._replace(discover=discover, wait_seconds=wait_seconds).check()
+    is_elastic = settings.min_workers < num_workers or max_restarts > 0 or discover is not None
+    if is_elastic and (mpirun or (hosts is not None and settings.min_workers < hosts)):
+        raise ValueError(
+            "An elastic run (min_workers, max_restarts, discover) starts TF_CONFIG workers, at least one a host: "
+            f"not with mpirun, and min_workers >= hosts. Received: mpirun={mpirun}, hosts={hosts}, "
+            f"min_workers={settings.min_workers}"
+        )
     base = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     if mpirun:
         return _launch_mpirun(num_workers, command, base, hosts, link)
+    if is_elastic:
+
+        def start_round(number, workers, resize):
+            round_env = dict(base, **{elastic.ROUND_VARIABLE: str(number)})
+            return _launch_workers(workers, command, round_env, isolate_network, hosts, link, resize)
+
+        return elastic.run(settings, start_round)
+    return _launch_workers(num_workers, command, base, isolate_network, hosts, link)
+
+
+def _launch_workers(num_workers, command, base, isolate_network, hosts, link, resize=None) -> int:
+    """`launch` of TF_CONFIG workers, once all is checked."""
     if hosts is not None:
         network, addresses = children.emulated_hosts(hosts, link)
         host_of = _host_of(num_workers, hosts)
@@ -234,14 +272,15 @@ def launch(
     ]
     try:
         # The workers hold their namespaces once started; the switch's links live as long as we hold it.
-        return children.run(workers, release=[fd for fd in network if fd not in keep])
+        return children.run(workers, release=[fd for fd in network if fd not in keep], resize=resize)
     finally:
         for fd in keep:
             os.close(fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``tf-adasum launch -n N [--isolate-network | --hosts H [--link RATE] [--mpirun]] script.py [args...]``;
+    """``tf-adasum launch -n N [--isolate-network | --hosts H [--link RATE] [--mpirun]]
+    [--min-workers M] [--max-restarts R] [--discover CMD] [--wait S] script.py [args...]``;
     returns the exit code."""
     parser = argparse.ArgumentParser(
         prog="tf-adasum launch",
@@ -272,6 +311,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with --hosts: run the script as N MPI ranks under one mpirun across the hosts (as root)",
     )
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        metavar="M",
+        help="elastic: run with as few as M workers (default -n), waiting up to --wait seconds for them",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="elastic: relaunch the workers after a failure up to R times; they resume from their backup",
+    )
+    parser.add_argument(
+        "--discover",
+        metavar="CMD",
+        help="elastic: a shell command printing how many workers can run now (one integer), asked every second",
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="elastic: seconds to wait for --min-workers before failing (default 60)",
+    )
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -300,7 +364,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             hosts=args.hosts,
             link=args.link,
             mpirun=args.mpirun,
+            min_workers=args.min_workers,
+            max_restarts=args.max_restarts,
+            discover=args.discover,
+            wait_seconds=args.wait,
         )
+    except ValueError as error:
+        parser.error(str(error))
+    except ElasticError as error:
+        print(f"tf-adasum launch: error: {error}", file=sys.stderr)
+        return 2
     except NetworkIsolationError as error:
         option = "--mpirun" if args.mpirun else "--hosts" if args.hosts is not None else "--isolate-network"
         print(f"tf-adasum launch: error: {option}: {error.strerror or error}", file=sys.stderr)

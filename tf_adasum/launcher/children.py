@@ -16,13 +16,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from . import helper  # the package beside it, whether tf_adasum.launcher or, run by path, launcher
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 5.0
+#: Seconds between two questions to `run`'s `resize`.
+POLL_SECONDS = 1.0
+#: Seconds the workers get to back up and exit after a resize's SIGTERM.
+RESIZE_GRACE_SECONDS = 300.0
 #: The helper program (run by path, never imported by the processes it starts).
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helper.py")
 
@@ -131,18 +135,22 @@ def stop(processes: Sequence[subprocess.Popen]) -> None:
         process.wait()
 
 
-def run(children: Sequence[Child], release: Sequence[int] = ()) -> int:
+def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable[[], bool] | None = None) -> int:
     """Runs every child under its supervisor, each output line prefixed,
     until one fails or all exit 0; then stops the rest (`stop`).
 
     `release`: descriptors to close once every child holds its namespaces (at
-    the latest when this returns).
+    the latest when this returns). `resize`: asked every `POLL_SECONDS`; once
+    it answers True, every child's group gets SIGTERM (a preemption notice:
+    the workers back up, then exit) and has `RESIZE_GRACE_SECONDS` to exit
+    before `stop`.
 
     Returns:
       0, or the first non-zero exit code observed (128 + S for signal S).
     """
     lock = threading.Lock()
     processes, threads, release = [], [], list(release)
+    noticed, next_poll = None, time.monotonic() + POLL_SECONDS
     try:
         for child in children:
             network_args = ["--network", *map(str, child.joins)] if child.joins else []
@@ -163,9 +171,19 @@ def run(children: Sequence[Child], release: Sequence[int] = ()) -> int:
         while True:
             codes = [p.poll() for p in processes]
             failed = [c for c in codes if c not in (None, 0)]
-            if failed or None not in codes:
+            if None not in codes or (failed and noticed is None):
                 code = failed[0] if failed else 0
                 break
+            if noticed is not None and time.monotonic() > noticed + RESIZE_GRACE_SECONDS:
+                code = failed[0] if failed else 128 + signal.SIGKILL
+                break
+            if resize is not None and noticed is None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + POLL_SECONDS
+                if resize():
+                    noticed = time.monotonic()
+                    for process in processes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(process.pid, signal.SIGTERM)
             time.sleep(0.1)
     finally:
         stop(processes)

@@ -1,0 +1,164 @@
+"""Elastic runs of ``tf-adasum launch``: the workers relaunched when one fails, at the size that is available.
+
+A run is a series of rounds. Each round starts as many workers as are
+available (at most ``-n``, at least ``--min-workers``) and ends when they end:
+
+* all exit 0: training finished, the launcher exits 0;
+* one fails (an exit code, a kill): the others are stopped, and the next
+  round starts if fewer than ``--max-restarts`` rounds have failed so far
+  (else the launcher exits with that code);
+* the count available changes (``--discover``, asked every second): every
+  worker gets SIGTERM, a preemption notice, so that with
+  ``tf_adasum.BackupAndRestore(save_before_preemption=True)`` they back up
+  after their batch and exit; the next round starts at the new size, and
+  such a round does not count as failed.
+
+The training script resumes from its backup at each round's start: that is
+what makes the rounds one run. Each worker finds its round in
+``TF_ADASUM_ELASTIC_ROUND`` (0, 1, ...).
+
+The discovery command (``--discover "CMD"``, run by the shell) prints the
+number of workers that can run now, one integer; without it, ``-n`` are
+always available. Below the minimum, the launcher asks again every second
+for ``--wait`` seconds, then fails with one error. A discovery command that
+fails, hangs (`DISCOVERY_TIMEOUT_SECONDS`) or prints anything else is one
+error that stops the run, its workers first.
+
+Standard library only, and nothing of ours outside this folder.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+#: The variable that tells each worker its round.
+ROUND_VARIABLE = "TF_ADASUM_ELASTIC_ROUND"
+#: Seconds a discovery command may run.
+DISCOVERY_TIMEOUT_SECONDS = 30.0
+#: Seconds between two discoveries while waiting for the minimum.
+WAIT_POLL_SECONDS = 1.0
+_COUNT = re.compile(r"\s*(\d{1,6})\s*")
+
+
+class ElasticError(RuntimeError):
+    """An elastic run cannot go on: discovery failed, or too few workers for too long."""
+
+
+class Elastic(NamedTuple):
+    """The elastic settings of a launch (see the module docstring)."""
+
+    min_workers: int
+    max_workers: int
+    max_restarts: int = 0
+    discover: str | None = None
+    wait_seconds: float = 60.0
+
+    def check(self) -> Elastic:
+        """Itself, or a `ValueError` naming the argument and the value received."""
+        for name in ("min_workers", "max_workers", "max_restarts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_restarts" else 1):
+                least = 0 if name == "max_restarts" else 1
+                raise ValueError(f"`{name}` must be an int >= {least}. Received: {name}={value!r}")
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                "`min_workers` must not exceed the workers asked for (-n). Received: "
+                f"min_workers={self.min_workers}, max_workers={self.max_workers}"
+            )
+        if self.discover is not None and (not isinstance(self.discover, str) or not self.discover.strip()):
+            raise ValueError(f"`discover` must be a shell command. Received: discover={self.discover!r}")
+        if isinstance(self.wait_seconds, bool) or not isinstance(self.wait_seconds, (int, float)):
+            raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
+        if not self.wait_seconds >= 0:
+            raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
+        return self
+
+    def available(self) -> int:
+        """The workers that can run now, at most `max_workers` (the discovery
+        command's answer, or `max_workers` without one)."""
+        if self.discover is None:
+            return self.max_workers
+        try:
+            result = subprocess.run(
+                self.discover, shell=True, capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_SECONDS
+            )
+        except subprocess.TimeoutExpired:
+            raise ElasticError(
+                f"the discovery command {self.discover!r} did not answer within {DISCOVERY_TIMEOUT_SECONDS:g} s"
+            ) from None
+        if result.returncode != 0:
+            raise ElasticError(
+                f"the discovery command {self.discover!r} exited with code {result.returncode}: "
+                f"{result.stderr.strip()[-500:] or '(no output on stderr)'}"
+            )
+        match = _COUNT.fullmatch(result.stdout)
+        if match is None:
+            raise ElasticError(
+                f"the discovery command {self.discover!r} must print the number of workers that can run now "
+                f"(one integer, e.g. 4). Received: {result.stdout[:200]!r}"
+            )
+        return min(int(match.group(1)), self.max_workers)
+
+    def wait_for_minimum(self) -> int:
+        """The workers available, once at least `min_workers`; an `ElasticError`
+        after `wait_seconds` below it."""
+        deadline = time.monotonic() + self.wait_seconds
+        while True:
+            count = self.available()
+            if count >= self.min_workers:
+                return count
+            if time.monotonic() >= deadline:
+                raise ElasticError(
+                    f"{count} workers available, fewer than --min-workers {self.min_workers}, for "
+                    f"{self.wait_seconds:g} s (the discovery command {self.discover!r})"
+                )
+            time.sleep(WAIT_POLL_SECONDS)
+
+
+def say(message: str) -> None:
+    print(f"tf-adasum launch: {message}", file=sys.stderr, flush=True)
+
+
+def run(elastic: Elastic, start_round: Callable[[int, int, Callable[[], bool]], int]) -> int:
+    """Runs rounds until training finishes, the restart limit is reached or
+    an `ElasticError` ends the run (see the module docstring).
+
+    `start_round(round, workers, resize)` runs one round and returns its exit
+    code; it asks `resize()` every second whether the available count changed.
+
+    Returns:
+      0 when a round finished training, else the failed round's exit code.
+    """
+    failures, round_number = 0, 0
+    while True:
+        workers = elastic.wait_for_minimum()
+        changed: list[int] = []
+
+        def resize(workers: int = workers, changed: list[int] = changed) -> bool:
+            count = elastic.available()
+            if count != workers and count >= elastic.min_workers:
+                changed.append(count)
+                return True
+            return False
+
+        say(f"round {round_number}: {workers} workers")
+        code = start_round(round_number, workers, resize)
+        round_number += 1
+        if code == 0:
+            return 0
+        if changed:
+            say(f"round {round_number - 1} ended for a resize to {changed[0]} workers (exit code {code})")
+            continue
+        failures += 1
+        if failures > elastic.max_restarts:
+            say(
+                f"a worker failed with exit code {code}; the restart limit (--max-restarts {elastic.max_restarts}) "
+                "is reached: the run ends"
+            )
+            return code
+        say(f"a worker failed with exit code {code}; restart {failures} of {elastic.max_restarts}")
