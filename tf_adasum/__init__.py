@@ -6,7 +6,7 @@ Public API:
   AdasumCrossDeviceOps   a `tf.distribute.CrossDeviceOps` carrying the collective
   AdasumOptimizer        a Keras 3 optimizer wrapper: local steps, Adasum-combined
   AdasumDiagnostics      a Keras callback with per-tensor diagnostics of the combine
-  BackupAndRestore       a Keras callback: back up every epoch, resume after a kill, one folder on every engine
+  BackupAndRestore       a Keras callback: back up every epoch or K batches, resume after a kill, on every engine
   SimulatedReplicas      N replicas' training in one process ("what would Adasum do on 256 workers")
   combiners              combiner objects ("adasum", "sum", "mean", AdaCons)
   mpi                    rank(), size(), local_rank(), MetricAverageCallback for mpirun jobs

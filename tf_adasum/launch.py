@@ -178,14 +178,15 @@ def launch(
       mpirun: with `hosts`, run `command` as `num_workers` MPI ranks under
         one ``mpirun`` (the one beside this Python, else on PATH) across the
         emulated hosts instead of as TF_CONFIG workers (as root).
-      min_workers, max_restarts, discover, wait_seconds: an elastic run
-        (`tf_adasum/launcher/elastic.py`): rounds of as many workers as the
-        `discover` shell command says are available (`num_workers` without
-        one), at least `min_workers` (waiting up to `wait_seconds` for them;
-        default `num_workers`); a failed round is relaunched up to
-        `max_restarts` times; a change of the count available ends the round
-        with SIGTERM (the workers back up) and starts one at the new size.
-        TF_CONFIG workers only, not with `mpirun`.
+      min_workers: an elastic run (`tf_adasum/launcher/elastic.py`): rounds
+        of as many workers as are available, at least this many (None:
+        `num_workers`); TF_CONFIG workers only, not with `mpirun`.
+      max_restarts: relaunch a failed round at most this many times.
+      discover: a shell command printing how many workers can run now (one
+        integer), asked every second; a change ends the round with SIGTERM
+        (the workers back up) and starts one at the new size. None:
+        `num_workers` are always available.
+      wait_seconds: how long to wait for `min_workers` before failing.
 
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
