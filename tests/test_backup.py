@@ -32,7 +32,7 @@ import tf_adasum
 from tf_adasum import backup
 from tf_adasum.launcher.mpirun import mpirun_command
 from tf_adasum.processes import Processes
-from tf_adasum.step import replica_states
+from tf_adasum.resume import replica_states
 
 BACKUP_WORKER = os.path.join(TESTS, "workers", "backup_worker.py")
 EPOCHS, STEPS = 4, 3
@@ -141,9 +141,10 @@ class _Snapshot(keras.callbacks.Callback):
 @pytest.mark.parametrize("saved, resumed", [(2, 4), (4, 3)])
 def test_resume_at_another_replica_count(tmp_path, saved, resumed, combiner):
     """A backup of `saved` replicas restored on `resumed` in delta mode with
-    Adam: the weights exact, replica j's copy of every optimizer variable
-    saved replica j mod N's, bitwise (AdaCons' per-replica weights, whose
-    shape holds the replica count, restart); then training goes on."""
+    Adam: the weights exact; replica j's copy of every variable of the inner
+    optimizer (Adam's moments and step count) saved replica j mod N's,
+    bitwise; the wrapper's own state as `model.load_weights` left it (replica
+    0's; AdaCons' weights and step count restarted); then training goes on."""
     folder = tmp_path / "backup"
     snapshot, restored = _Snapshot(2), _Snapshot(2)
     model = _job(mirrored(saved)[0], seed=1, mode="delta", combiner=combiner)
@@ -153,18 +154,16 @@ def test_resume_at_another_replica_count(tmp_path, saved, resumed, combiner):
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(other, folder, [restored])
     _assert_bitwise_equal([w.numpy() for w in other.weights], [w.numpy() for w in model.weights])
-    kept = []
+    inner = {id(v) for v in other.optimizer.inner_optimizer.variables}
+    assert any("momentum" in v.path for v in other.optimizer.inner_optimizer.variables)
     for variable, before, after in zip(other.optimizer.variables, snapshot.copies, restored.copies):
         assert len(before) == saved and len(after) == resumed
-        if before[0].shape == after[0].shape:
+        if id(variable) in inner:
             _assert_bitwise_equal(after, [before[j % saved] for j in range(resumed)])
-        else:
-            kept.append(variable.path)
-    if combiner == "adasum":
-        assert kept == []
-    else:
-        assert kept and all("adacons" in path for path in kept), kept
-    assert any("momentum" in v.path for v in other.optimizer.variables)
+        elif "adacons_steps" in variable.path:
+            assert int(before[0]) > 0 and all(int(a) == 0 for a in after), variable.path  # restarted
+        elif before[0].shape == after[0].shape:
+            _assert_bitwise_equal(after, [before[0]] * resumed)  # replica 0's, from the weights file
     _fit(other, folder)  # and trains on to the end
     assert not folder.exists()
 
@@ -197,6 +196,11 @@ def test_resumes_inside_an_epoch_exactly(tmp_path):
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(_job(strategy_fn(), seed=1, mode="delta"), folder, [_InterruptAtBatch(9)], save_freq=2)
     assert backup.saved_position(folder) == (2, 2) and backup.saved_epoch(folder) == 2
+    x, y = simulation_data(STEPS + 1)
+    longer = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with pytest.raises(ValueError, match="stands at batch 2 of epoch 2 of 3 batches; this `fit` has steps_per_epoch=4"):
+        callback = backup.BackupAndRestore(folder, save_freq=2)
+        _job(strategy_fn(), seed=2, mode="delta").fit(longer, epochs=EPOCHS, steps_per_epoch=4, callbacks=[callback])
     resumed = _job(strategy_fn(), seed=2, mode="delta")
     restoring = _fit(resumed, folder, save_freq=2)
     assert (restoring.restored_epoch, restoring.restored_batch) == (2, 2)
@@ -296,7 +300,7 @@ def test_a_failed_shard_is_an_error_and_the_last_backup_stays(tmp_path, monkeypa
     def full_disk(path, values):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(backup, "_write_arrays", full_disk)
+    monkeypatch.setattr(backup.folder, "write_arrays", full_disk)
     with pytest.raises(OSError, match="No space left"):
         _fit(_job(tf.distribute.get_strategy(), seed=2), folder)
     assert backup.saved_epoch(folder) == 2 and not [n for n in os.listdir(folder) if n.startswith(".tmp-")]
@@ -325,6 +329,18 @@ def test_arguments_are_checked(tmp_path):
     x, y = simulation_data(STEPS)
     model = _job(tf.distribute.get_strategy(), seed=1)
     endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat().filter(lambda a, b: True)
+    with pytest.raises(ValueError, match="multiple of the model's `steps_per_execution`.* steps_per_execution=2"):
+        model.compile(optimizer=model.optimizer, loss="mse", steps_per_execution=2)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        model.fit(
+            dataset,
+            epochs=1,
+            steps_per_epoch=3,
+            verbose=0,
+            shuffle=False,
+            callbacks=[backup.BackupAndRestore(tmp_path, save_freq=2)],
+        )
+    model = _job(tf.distribute.get_strategy(), seed=1)
     with pytest.raises(ValueError, match="pass `steps_per_epoch` to `fit`. Received: save_freq=2"):
         model.fit(
             endless.take(STEPS),

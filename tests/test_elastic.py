@@ -62,11 +62,17 @@ def _rounds(out, rank=0):
     return rounds
 
 
-@pytest.mark.multiworker
-def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path):
-    reference, result = _train(tmp_path, "reference", ["-n", "2"], {})
+ENGINES = [
+    pytest.param([], marks=pytest.mark.multiworker, id="workers"),
+    pytest.param(["--mpirun"], marks=pytest.mark.mpi, id="mpi"),
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path, engine):
+    reference, result = _train(tmp_path, "reference", [*engine, "-n", "2"], {})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out, result = _train(tmp_path, "elastic", ["-n", "2", "--max-restarts", "1"], {"kill": [0, 1, 9]})
+    out, result = _train(tmp_path, "elastic", [*engine, "-n", "2", "--max-restarts", "1"], {"kill": [0, 1, 9]})
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
     assert "round 1: 2 workers" in result.stderr and "restart 1 of 1" in result.stderr, output
@@ -78,14 +84,15 @@ def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path):
         _assert_bitwise_equal(_arrays(out / f"final_rank{rank}.npz"), expected, f"worker {rank}")
 
 
-@pytest.mark.multiworker
-def test_a_discovery_schedule_2_4_2_resizes_at_backups(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_discovery_schedule_2_4_2_resizes_at_backups(tmp_path, engine):
     """Worker 0 writes 4, then 2, to the file the discovery command prints:
-    each change ends the round by SIGTERM (every worker backs up and exits),
+    each change ends the round by SIGUSR1 (every worker backs up and exits;
+    mpirun forwards it to its ranks),
     and the next has exactly that many workers; after each resize the weights
     are the backup's and worker j's optimizer state saved worker j mod N's."""
-    plan = {"slots": [[0, 3, 4], [1, 12, 2]]}
-    arguments = ["-n", "4", "--min-workers", "2", "--discover", f"cat {tmp_path / 'elastic' / 'slots'}"]
+    plan = {"slots": [[0, 3, 4], [1, 3, 2]]}  # after 3 batches trained in rounds 0 and 1
+    arguments = [*engine, "-n", "4", "--min-workers", "2", "--discover", f"cat {tmp_path / 'elastic' / 'slots'}"]
     out, result = _train(tmp_path, "elastic", arguments, plan)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
@@ -117,7 +124,8 @@ def test_every_worker_failing_ends_at_the_restart_limit(tmp_path):
     script.write_text(_FAILING)
     result = _launch(["-n", "2", "--max-restarts", "2", str(script), str(tmp_path / "rounds")], tmp_path, timeout=120)
     assert result.returncode == 3, result.stderr
-    assert sorted((tmp_path / "rounds").read_text().split()) == ["0", "0", "1", "1", "2", "2"]
+    # Each round's first failure stops the other worker, which may not have written its line yet.
+    assert set((tmp_path / "rounds").read_text().split()) == {"0", "1", "2"}
     assert "the restart limit (--max-restarts 2) is reached" in result.stderr
 
 
@@ -158,7 +166,8 @@ def test_a_discovery_failing_mid_run_stops_the_run(tmp_path, answer, message):
     while len([p for p in os.listdir(tmp_path) if p.startswith("started")]) < 2:
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
         time.sleep(0.1)
-    discovery.write_text(answer + "\n")
+    (tmp_path / "next.sh").write_text(answer + "\n")
+    os.replace(tmp_path / "next.sh", discovery)  # the launcher never reads it half-written
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode == 2, stderr
     assert f"tf-adasum launch: error: the discovery command 'sh {discovery}' {message}" in stderr, stderr
@@ -167,11 +176,13 @@ def test_a_discovery_failing_mid_run_stops_the_run(tmp_path, answer, message):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["-n", "2", "--min-workers", "3"], "`min_workers` must not exceed the workers asked for (-n)"),
-        (["-n", "2", "--max-restarts", "-1"], "`max_restarts` must be an int >= 0. Received: max_restarts=-1"),
-        (["-n", "2", "--discover", " "], "`discover` must be a shell command. Received: discover=' '"),
-        (["-n", "2", "--max-restarts", "1", "--wait", "-1"], "`wait_seconds` must be a number >= 0"),
-        (["-n", "3", "--hosts", "2", "--min-workers", "1"], "min_workers >= hosts"),
+        (["-n", "2", "--min-workers", "3"], "--min-workers must not exceed the workers asked for (-n). Received: "),
+        (["-n", "2", "--min-workers", "1"], "--min-workers below the workers asked for needs --discover"),
+        (["-n", "2", "--max-restarts", "-1"], "--max-restarts must be an int >= 0. Received: --max-restarts -1"),
+        (["-n", "2", "--discover", " "], "--discover must be a shell command. Received: --discover ' '"),
+        (["-n", "2", "--max-restarts", "1", "--wait", "-1"], "--wait must be a number >= 0"),
+        (["-n", "3", "--hosts", "2", "--min-workers", "1", "--discover", "echo 3"], "--min-workers >= --hosts"),
+        (["-n", "2", "--hosts", "2", "--mpirun", "--max-restarts", "1"], "not --mpirun, and --min-workers >= --hosts"),
     ],
 )
 def test_bad_elastic_arguments_are_one_error(tmp_path, arguments, message):

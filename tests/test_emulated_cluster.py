@@ -394,10 +394,12 @@ def test_mpirun_across_hosts(tmp_path):
         assert world == [rank, 4, rank % 2, 2], (rank, world)  # rank, size, rank and size on its host
 
 
-def test_mpirun_needs_hosts():
-    with pytest.raises(ValueError, match="Received: mpirun=True, hosts=None"):
-        launch.launch(2, ["true"], mpirun=True)
+def test_mpirun_and_a_private_network_exclude_each_other():
+    with pytest.raises(ValueError, match="Received: mpirun=True, isolate_network=True"):
+        launch.launch(2, ["true"], mpirun=True, isolate_network=True)
     result = subprocess.run(
-        [sys.executable, "-I", "-S", LAUNCH_PY, "-n", "2", "--mpirun", LAUNCH_PY], capture_output=True, text=True
+        [sys.executable, "-I", "-S", LAUNCH_PY, "-n", "2", "--mpirun", "--isolate-network", LAUNCH_PY],
+        capture_output=True,
+        text=True,
     )
-    assert result.returncode == 2 and "--mpirun runs the ranks across emulated hosts: give --hosts too" in result.stderr
+    assert result.returncode == 2 and "`mpirun` and `isolate_network` exclude each other" in result.stderr

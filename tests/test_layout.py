@@ -48,7 +48,10 @@ LAYERS = {
     "step.local_steps": 7,
     "step.settings": 7,
     "step.members": 7,
-    "step.replica_states": 7.25,  # each replica's copies of the optimizer's variables (over step.keras_step)
+    "resume.folder": 0,  # the backup folder's files (standard library and numpy)
+    "resume.notice": 0,  # a preemption notice caught (standard library and the launcher's constants)
+    "resume.save": 7.5,  # one backup by every process together (over resume.folder and resume.replica_states)
+    "resume.replica_states": 7.25,  # each replica's copies of the optimizer's variables (over step.keras_step)
     "step.combine": 7.5,  # over step.adacons and step.settings
     "optimizer": 8,
     "simulation": 8,  # beside the optimizer: the same step, every replica in one process
@@ -68,7 +71,7 @@ STANDALONE = {
     "launcher.mpirun",
     "launcher.tf_config",
 }
-PACKAGE_INITS = {"", "comm", "engines", "eval", "launcher", "native", "step", "tree"}
+PACKAGE_INITS = {"", "comm", "engines", "eval", "launcher", "native", "resume", "step", "tree"}
 
 
 def _modules():

@@ -3,37 +3,41 @@
 Keras 3's own `keras.callbacks.BackupAndRestore` has no multi-worker logic:
 every process writes ``backup_dir/latest.weights.h5`` (one shared folder fails
 on HDF5's file lock; a folder per worker resumes the workers at different
-epochs; a callback on MPI rank 0 only leaves the others at epoch 0). This one
-works with one `backup_dir` seen by every process (a shared filesystem):
+epochs; a callback on MPI rank 0 only leaves the others at epoch 0), and it
+keeps replica 0's optimizer state only. This one works with one `backup_dir`
+seen by every process (a shared filesystem); its files are
+`tf_adasum.resume.folder`'s:
 
-* **One writer, and a shard per process.** At the end of each epoch every
-  process writes its replicas' own copies of the optimizer's variables (each
-  replica's momentum or Adam moments in delta mode differ; a mirrored
-  variable's checkpoint holds replica 0's only) to a file of its own,
-  ``epoch-000003.replicas-00001.npz`` (`tf_adasum.step.replica_states`); no
-  process gathers the others'. The chief (task 0 of a
-  MultiWorkerMirroredStrategy) or MPI rank 0, in one process that process,
-  also writes the weights and optimizer variables (`model.save_weights`).
-* **Atomic backups.** Every file goes to a temporary file in `backup_dir`,
-  fsynced, then renamed (the weights to a name of its own,
-  ``epoch-000003-<hex>.weights.h5``). After one tiny reduction over the
-  processes (each process's replica count and whether its shard failed), the
-  writer writes ``backup.json`` the same way (temporary file, fsync,
-  ``os.replace``), naming the weights file, every shard and their sizes, the
-  epoch and the replica count; only then are older files removed. A kill at
-  any point leaves ``backup.json`` naming complete files of some epoch.
+* **A file per process, one writer.** At each backup (every epoch, every K
+  batches, or on a preemption notice) every process writes its replicas' own
+  copies of the optimizer's variables (in delta mode each replica's momentum
+  or Adam moments are its own) to a file of its own
+  (`tf_adasum.resume.replica_states`); no process gathers the others'. One
+  tiny sum over the processes (`tf_adasum.processes`) says every file is
+  complete, a second that every process sees them all (a folder per process
+  instead of a shared one is a `ValueError` on every process). Then the
+  writer (the chief, task 0 of a MultiWorkerMirroredStrategy, or MPI rank 0;
+  in one process that process) writes the weights and optimizer variables
+  (`model.save_weights`), then ``backup.json`` naming every file, each
+  atomically, and removes older files, while the others wait in a third sum
+  (which also carries the writer's failure, if any): every process leaves
+  the backup together, so no process writes while old files are removed, and
+  a process that exits right after a backup cannot cut the writer short.
 * **Every process restores** at ``on_train_begin``: each reads the same
-  ``backup.json`` and checks the weights file it names; one tiny reduction
-  over the processes (`tf_adasum.processes`; 2 floats each: its epoch and
-  whether it failed) checks that all found the same epoch, a `ValueError` on
-  every process naming each process's epoch otherwise (e.g. a folder per
-  worker instead of a shared one); then every process loads that file
-  (`model.load_weights`, the optimizer built first), then gives each of its
-  replicas its saved replica's copies of the optimizer's variables (replica j
-  takes saved replica j mod N, N the replicas saved: exact at the same
-  replica count, and a fixed rule at another; `tf_adasum.step.replica_states`),
-  and Keras starts at that epoch. Nothing has trained yet when an error is
-  raised.
+  ``backup.json`` and checks every file it names; one tiny sum over the
+  processes (4 numbers each: its position's epoch and batch, whether it
+  failed, its replica count) checks that all found the same backup (a
+  `ValueError` on every process naming each one's otherwise); then every
+  process loads the weights file (`model.load_weights`, the optimizer built
+  first), gives each of its replicas its saved replica's optimizer state
+  (replica j takes saved replica j mod N, N the replicas saved: all of the
+  optimizer's variables at the same count, the exact resume; at another
+  count the innermost optimizer's, while the wrapper's own state, such as
+  AdaCons' per-replica weights, restarts as `model.load_weights` left it),
+  and Keras starts at that epoch. A backup inside an epoch makes the first
+  train calls of the epoch read their batches and train on none, as many as
+  the backup holds (`tf_adasum.step.keras_step.skip_train_calls`). Nothing
+  has trained yet when an error is raised.
 * **Deleted when training completes** (`model.fit` returns), kept when it is
   interrupted, as Keras does; only this callback's files are removed.
 
@@ -51,175 +55,61 @@ runs the save, the others into a private scratch folder deleted at once, so
 that all issue the same collectives; otherwise the chief saves alone.
 
 Exact resume (the weights and every replica's optimizer state of an
-uninterrupted run): a backup every epoch, the same replica count, and an input
-pipeline that yields the same batches for a given epoch whether or not the run
-was interrupted (see `saved_epoch`). A backup of format 1 (before the shards)
-restores every replica from replica 0's copies.
+uninterrupted run): the same replica count, and an input pipeline that yields
+the same batches for a given epoch whether or not the run was interrupted
+(it starts at `saved_epoch`). A backup of format 1 (before the replica
+files) restores every replica from replica 0's copies.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
-import tempfile
-import uuid
-from collections.abc import Callable
-from typing import NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_adasum.processes import Processes
-from tf_adasum.step import keras_step, replica_states
+from tf_adasum.resume import folder, replica_states
+from tf_adasum.resume import save as save_lib
+from tf_adasum.resume.folder import METADATA_NAME, Position
+from tf_adasum.resume.notice import PREEMPTED_EXIT_CODE, PREEMPTION_SIGNALS, PreemptionNotice
+from tf_adasum.step import keras_step
 
-__all__ = ["METADATA_NAME", "PREEMPTED_EXIT_CODE", "BackupAndRestore", "Position", "saved_epoch", "saved_position"]
+__all__ = [
+    "METADATA_NAME",
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTION_SIGNALS",
+    "BackupAndRestore",
+    "Position",
+    "saved_epoch",
+    "saved_position",
+]
 
-#: The file that names the current backup; written last, replaced atomically.
-METADATA_NAME = "backup.json"
-_FORMAT = "tf_adasum.backup/2"
-#: Format 1 had no shards: it restores every replica from replica 0's copies.
-_FORMAT_WITHOUT_SHARDS = "tf_adasum.backup/1"
-_TEMP_PREFIX = ".tmp-"
-_WEIGHTS_NAME = re.compile(r"epoch-\d{6,}-[0-9a-f]{8}\.weights\.h5")
-_SHARD_NAME = re.compile(r"epoch-\d{6,}-batch-\d{6,}\.replicas-\d{5,}\.npz")
-#: The exit code of every process after the backup that a SIGTERM asked for (128 + SIGTERM, as a shell shows it).
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 _COMMUNICATING_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
 
 
-def _backup_dir_argument(value) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"`backup_dir` must be a path (str or os.PathLike). Received: backup_dir={value!r}")
-    path = os.fspath(value)
-    received = f"Received: backup_dir={path!r}"
-    if not path:
-        raise ValueError(f"`backup_dir` must not be empty. {received}")
-    if "://" in path:
-        raise ValueError(
-            "`backup_dir` must be a folder of a mounted filesystem (shared by all workers); URLs are not "
-            f"supported, since the backup relies on atomic renames. {received}"
-        )
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ValueError(f"`backup_dir` names a file; it must name a folder. {received}")
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ValueError(f"`backup_dir` is under {existing}, which is a file, not a folder. {received}")
-    return path
-
-
-def _read_metadata(backup_dir: str) -> dict | None:
-    """The current backup's metadata, or None when `backup_dir` holds none."""
-    path = os.path.join(backup_dir, METADATA_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        return None
-    try:
-        metadata = json.loads(text)
-        valid = (
-            metadata.get("format") in (_FORMAT, _FORMAT_WITHOUT_SHARDS)
-            and _is_count(metadata.get("epoch"), 0)
-            and _is_count(metadata.get("batch", 0), 0)
-            and metadata["epoch"] + metadata.get("batch", 0) >= 1
-            and isinstance(metadata.get("weights"), str)
-            and _WEIGHTS_NAME.fullmatch(metadata["weights"])
-            and _is_count(metadata.get("bytes"), 0)
-            and (metadata["format"] == _FORMAT_WITHOUT_SHARDS or _valid_shards(metadata))
-        )
-    except (ValueError, AttributeError, TypeError):
-        valid = False
-    if not valid:
-        raise ValueError(
-            f"{path} is not a tf_adasum backup (expected JSON with format {_FORMAT!r}, epoch, weights, bytes, "
-            f"replicas, variables, shards). `backup_dir` must hold only this callback's files. "
-            f"Received: {text[:200]!r}"
-        )
-    return metadata
-
-
-def _is_count(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def _valid_shards(metadata: dict) -> bool:
-    """Whether the shards named cover replicas 0..replicas-1 in order, each
-    entry a shard file name, its first replica, its replica count and size."""
-    shards, first = metadata.get("shards"), 0
-    counts = (("replicas", 1), ("variables", 0), ("batch", 0))
-    if not all(_is_count(metadata.get(name), least) for name, least in counts):
-        return False
-    if not isinstance(shards, list) or not shards:
-        return False
-    for shard in shards:
-        if not (
-            isinstance(shard.get("file"), str)
-            and _SHARD_NAME.fullmatch(shard["file"])
-            and shard.get("first") == first
-            and _is_count(shard.get("count"), 1)
-            and _is_count(shard.get("bytes"), 0)
-        ):
-            return False
-        first += shard["count"]
-    return first == metadata["replicas"]
-
-
-def _shard_name(position: Position, process: int) -> str:
-    return f"epoch-{position.epoch:06d}-batch-{position.batch:06d}.replicas-{process:05d}.npz"
-
-
-class Position(NamedTuple):
-    """Where a backup stands: `epoch` epochs complete and `batch` batches of
-    the next one (the run's batch count is ``epoch * steps_per_epoch + batch``)."""
-
-    epoch: int
-    batch: int
-
-    def __str__(self) -> str:
-        return f"epoch {self.epoch}" + (f" batch {self.batch}" if self.batch else "")
-
-
 def saved_epoch(backup_dir: str | os.PathLike) -> int:
-    """The number of epochs the backup in `backup_dir` holds (0 without one).
+    """The epoch the backup in `backup_dir` resumes in (0 without one):
+    build the input pipeline from its start.
 
     Reads ``backup.json`` only: no communication, so every process can call it
-    before `model.fit`, e.g. to build an input pipeline that starts at the
-    epoch training will resume from (``dataset.skip(saved_epoch(d) * steps)``,
-    or one seeded shuffle per epoch from that epoch on).
+    before `model.fit`, e.g. to build an input pipeline that starts at that
+    epoch (``dataset.skip(saved_epoch(d) * steps)``, or one seeded shuffle per
+    epoch from that epoch on). A backup inside an epoch holds some of its
+    batches already: the callback reads those and trains on none of them.
     """
     return saved_position(backup_dir).epoch
 
 
 def saved_position(backup_dir: str | os.PathLike) -> Position:
     """Where the backup in `backup_dir` stands: ``Position(epoch, batch)``,
-    epochs complete and batches of the next one (``Position(0, 0)`` without
-    a backup; batch 0 for every backup of ``save_freq="epoch"``).
-
-    Reads ``backup.json`` only, like `saved_epoch`: build the input pipeline
-    from it, so that the resumed run reads the batches after the backup's and
-    no other (``epoch_batches(epoch).skip(batch)`` for the first epoch, then
-    the later epochs whole; or ``stream.skip(epoch * steps + batch)``).
-    """
-    metadata = _read_metadata(_backup_dir_argument(backup_dir))
+    the epochs complete and the batches of the next one it holds
+    (``Position(0, 0)`` without a backup; batch 0 for backups at epoch ends).
+    Reads ``backup.json`` only. The input pipeline still starts at the epoch
+    (`saved_epoch`): the callback skips the batches the backup holds."""
+    metadata = folder.read_metadata(folder.backup_dir_argument(backup_dir))
     return Position(0, 0) if metadata is None else Position(metadata["epoch"], metadata.get("batch", 0))
-
-
-def _fsync(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_arrays(path: str, values: dict) -> None:
-    with open(path, "wb") as f:
-        np.savez(f, **values)
 
 
 def _reading_communicates(variables) -> bool:
@@ -233,6 +123,14 @@ def _reading_communicates(variables) -> bool:
         ):
             return True
     return False
+
+
+def _innermost(optimizer):
+    """The optimizer whose slots each replica owns: the innermost of wrappers
+    (AdasumOptimizer, LossScaleOptimizer) that hold an ``inner_optimizer``."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -250,16 +148,17 @@ class BackupAndRestore(keras.callbacks.Callback):
       save_freq: ``"epoch"``: a backup at the end of every epoch; an integer
         K >= 1: a backup whenever the run's batch count (over all epochs)
         reaches a multiple of K, with its position in the epoch, and none at
-        the end of an epoch otherwise (as in Keras). Resuming inside an epoch
-        needs ``steps_per_epoch`` and an input pipeline that starts at
-        `saved_position` (see the module docstring).
+        the end of an epoch otherwise (as in Keras). Needs ``steps_per_epoch``
+        (a multiple of ``steps_per_execution``); the input pipeline starts at
+        the epoch (`saved_epoch`), and the callback skips the batches of it
+        the backup holds.
       delete_checkpoint: delete the backup when `model.fit` completes (as
         Keras does); it is always kept when training is interrupted.
-      save_before_preemption: on SIGTERM (a preemption notice) to any
-        process, every process backs up after the batch it is in, then
-        raises ``SystemExit(PREEMPTED_EXIT_CODE)``: no batch is lost. Costs
-        one tiny sum over the processes per batch when there are several.
-        `fit` must run in the main thread.
+      save_before_preemption: on SIGTERM or SIGUSR1 (a preemption notice;
+        `PREEMPTION_SIGNALS`) to any process, every process backs up after
+        the batch it is in, then raises ``SystemExit(PREEMPTED_EXIT_CODE)``:
+        no batch is lost. Costs one tiny sum over the processes per batch
+        when there are several. `fit` must run in the main thread.
 
     Attributes:
       restored_epoch: after ``on_train_begin``, the epoch training resumed
@@ -268,9 +167,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         (their train calls are skipped: nothing is read or trained).
 
     Raises (on every process, before any training step): `ValueError` when the
-    processes found backups of different epochs (each process's epoch is
-    named) or the backup is damaged; `RuntimeError` when another process
-    failed to read the backup (that process raises its own error).
+    processes found backups of different positions (each process's is
+    named), the backup is damaged, or it is inside an epoch of another length
+    than this `fit`'s; `RuntimeError` when another process failed to read the
+    backup (that process raises its own error).
     """
 
     def __init__(
@@ -281,7 +181,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_before_preemption: bool = False,
     ):
         super().__init__()
-        self.backup_dir = _backup_dir_argument(backup_dir)
+        self.backup_dir = folder.backup_dir_argument(backup_dir)
         if isinstance(save_freq, int) and not isinstance(save_freq, bool):
             if save_freq < 1:
                 raise ValueError(f"`save_freq` must be 'epoch' or an integer >= 1. Received: save_freq={save_freq}")
@@ -298,11 +198,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.restored_batch = 0
         self._epoch = 0
         self._saved_batches = 0  # the run's batches the latest backup holds
-        self._preempted = False
-        self._previous_handler = None
+        self._notice = PreemptionNotice()
         self._processes: Processes | None = None
         self._local_replicas = 1
         self._first_replica = 0
+        self._replicas = 1
         self._reads_communicate = False
         self._set_initial_epoch = False
 
@@ -321,6 +221,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "BackupAndRestore needs a built model before `fit` (give it a `keras.Input`, or call "
                 f"`model.build(input_shape)`). Received: an unbuilt {type(model).__name__}"
             )
+        keras_step.restore_train_function(model)  # an earlier `fit` may have ended while skipping
+        self._notice.release(resend=False)  # one left by an earlier `fit` that raised
         strategy = model.distribute_strategy
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:  # its variables must exist to be loaded
@@ -332,10 +234,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas
         metadata, error = None, None
         try:
-            metadata = self._find_backup()
+            steps = self._steps_per_epoch()
+            metadata = self._find_backup(steps)
         except Exception as e:  # noqa: BLE001 - raised below, once every process knows
             error = e
-        steps = self._steps_per_epoch()
         position = Position(metadata["epoch"], metadata.get("batch", 0)) if metadata else Position(0, 0)
         self.restored_epoch, self.restored_batch = self._agree(position, error)
         self._saved_batches = self.restored_epoch * steps + self.restored_batch if steps else 0
@@ -350,68 +252,56 @@ class BackupAndRestore(keras.callbacks.Callback):
             keras_step.set_initial_epoch(model, None)
             self._set_initial_epoch = False
         if self.save_before_preemption:
-            self._catch_sigterm()
+            self._notice.catch()
 
     def _steps_per_epoch(self) -> int | None:
         """The epoch's batches (`fit`'s ``steps_per_epoch``, or the data's
         known length); a `ValueError` if a position inside an epoch needs it
-        and it is unknown."""
+        and it is unknown, or it is not a multiple of ``steps_per_execution``."""
         steps = (self.params or {}).get("steps")
-        if steps is None and (self.save_freq != "epoch" or self.save_before_preemption):
+        inside = self.save_freq != "epoch" or self.save_before_preemption
+        received = f"Received: save_freq={self.save_freq!r}, save_before_preemption={self.save_before_preemption}"
+        if steps is None and inside:
             raise ValueError(
                 "BackupAndRestore with an integer `save_freq` or `save_before_preemption=True` backs up inside "
-                "an epoch, so it needs the epoch's length: pass `steps_per_epoch` to `fit`. Received: "
-                f"save_freq={self.save_freq!r}, save_before_preemption={self.save_before_preemption}, and "
+                f"an epoch, so it needs the epoch's length: pass `steps_per_epoch` to `fit`. {received}, and "
                 "no steps_per_epoch"
             )
+        per_call = self.model.steps_per_execution
+        if inside and steps % per_call:
+            raise ValueError(
+                "BackupAndRestore backs up inside an epoch after a train call, so `steps_per_epoch` must be a "
+                f"multiple of the model's `steps_per_execution`. {received}, steps_per_epoch={steps}, "
+                f"steps_per_execution={per_call}"
+            )
         return steps
-
-    def _catch_sigterm(self) -> None:
-        def preempted(signum, frame):
-            self._preempted = True
-
-        try:
-            self._previous_handler = signal.signal(signal.SIGTERM, preempted)
-        except ValueError as e:  # not the main thread
-            raise RuntimeError(
-                "BackupAndRestore(save_before_preemption=True) catches SIGTERM, which Python allows in the "
-                f"main thread only: call `fit` there. ({e})"
-            ) from e
-
-    def _release_sigterm(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
 
     def _optimizer_variables(self) -> list:
         optimizer = self.model.optimizer
         return list(optimizer.variables) if optimizer is not None else []
 
-    def _find_backup(self) -> dict | None:
+    def _find_backup(self, steps: int | None) -> dict | None:
         """The metadata of the backup to restore (None: no backup), every file
         it names checked for its size; no communication."""
         if self._is_writer:
             os.makedirs(self.backup_dir, exist_ok=True)
-        metadata = _read_metadata(self.backup_dir)
+        metadata = folder.read_metadata(self.backup_dir)
         if metadata is None:
             return None
-        named = [(metadata["weights"], metadata["bytes"])]
-        named += [(shard["file"], shard["bytes"]) for shard in metadata.get("shards", ())]
-        for name, expected in named:
-            path = os.path.join(self.backup_dir, name)
-            size = os.path.getsize(path) if os.path.exists(path) else None
-            if size != expected:
-                found = "it is missing" if size is None else f"it has {size}"
-                raise ValueError(
-                    f"The backup in {self.backup_dir} is damaged: {METADATA_NAME} names {name} of "
-                    f"{expected} bytes, but {found}. Remove `backup_dir` to start afresh."
-                )
+        folder.check_files(self.backup_dir, metadata)
         variables = len(self._optimizer_variables())
         if metadata.get("variables", variables) != variables:
             raise ValueError(
                 f"The backup in {self.backup_dir} holds {metadata['variables']} optimizer variables per replica, "
                 f"and this model's optimizer has {variables}: resume with the model and optimizer that made it, "
                 "or remove `backup_dir` to start afresh."
+            )
+        batch, per_call = metadata.get("batch", 0), self.model.steps_per_execution
+        if batch and (metadata["steps"] != steps or batch % per_call):
+            raise ValueError(
+                f"The backup in {self.backup_dir} stands at batch {batch} of epoch {metadata['epoch']} of "
+                f"{metadata['steps']} batches; this `fit` has steps_per_epoch={steps} and steps_per_execution="
+                f"{per_call}: resume with the same steps_per_epoch and a steps_per_execution that divides {batch}."
             )
         return metadata
 
@@ -429,6 +319,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         positions = [Position(int(total[j]), int(total[3 * n + j])) for j in range(n)]
         failed = [j for j in range(n) if total[n + j]]
         self._first_replica = int(sum(total[2 * n : 2 * n + i]))
+        self._replicas = int(sum(total[2 * n : 3 * n]))
         if error is not None:
             raise error
         if failed:
@@ -447,9 +338,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         return positions[i]
 
     def _restore_replicas(self, metadata: dict) -> None:
-        """Each local replica's copies of the optimizer's variables from its
-        saved replica's (`tf_adasum.step.replica_states`); a format-1 backup
-        has none, and `model.load_weights` gave every replica replica 0's."""
+        """Each local replica's optimizer state from its saved replica's
+        (`tf_adasum.resume.replica_states`): every variable at the same
+        replica count, the innermost optimizer's at another (the wrapper's own
+        state restarts as `model.load_weights` left it). A format-1 backup has
+        none: `model.load_weights` gave every replica replica 0's."""
         if "shards" not in metadata:
             return
         loaded: dict[str, dict] = {}
@@ -461,7 +354,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                     loaded[shard["file"]] = dict(values)
             return loaded[shard["file"]]
 
-        replica_states.restore(self._optimizer_variables(), self._first_replica, metadata["replicas"], load)
+        pairs = list(enumerate(self._optimizer_variables()))
+        if metadata["replicas"] != self._replicas:
+            own = {id(v) for v in _innermost(self.model.optimizer).variables}
+            pairs = [(position, v) for position, v in pairs if id(v) in own]
+        replica_states.restore(pairs, self._first_replica, metadata["replicas"], load)
 
     # -- save -----------------------------------------------------------------------
 
@@ -470,20 +367,21 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         """A backup when the run's batch count reaches a multiple of an integer
-        `save_freq`, or when any process got SIGTERM (then `SystemExit`)."""
+        `save_freq`, or when any process caught a preemption notice (then
+        `SystemExit`)."""
         preempted = False
         if self.save_before_preemption:
-            preempted = self._processes.sum([float(self._preempted)], "the check for a preemption notice")[0] > 0
+            preempted = self._processes.sum([float(self._notice.pending)], "the check for a preemption notice")[0] > 0
         if self.save_freq == "epoch" and not preempted:
             return
         steps = self.params["steps"]
         done = self._epoch * steps + batch + 1  # the run's batches, this one included
-        if done <= self._saved_batches:
-            return  # a batch the backup held already (skipped on resume)
-        if preempted or (self.save_freq != "epoch" and done // self.save_freq > self._saved_batches // self.save_freq):
+        due = self.save_freq != "epoch" and done // self.save_freq > self._saved_batches // self.save_freq
+        if done > self._saved_batches and (preempted or due):  # not a batch the backup held (skipped)
             self._save(Position(*divmod(done, steps)))
         if preempted:
-            self._release_sigterm()
+            self._notice.pending = 0  # acted on
+            self._notice.release()
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -497,116 +395,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         return self._processes.kind == "worker" and (self._reads_communicate or tf.distribute.has_strategy())
 
     def _save(self, position: Position) -> None:
-        """Every process's shard; one small sum (every shard complete, and
-        the replica counts); then the writer's weights file and the metadata
-        naming them all, each atomically; then the files no backup names."""
-        processes = self._processes
-        n, i = processes.count, processes.index
-        epoch = position.epoch
-        self._saved_batches = epoch * ((self.params or {}).get("steps") or 0) + position.batch  # on every process
-        shard = _shard_name(position, i)
-        variables = self._optimizer_variables()
-        error = None
-        try:
-            os.makedirs(self.backup_dir, exist_ok=True)
-            values = replica_states.read(variables, self._first_replica)
-            self._commit(shard, lambda path: _write_arrays(path, values))
-        except Exception as e:  # noqa: BLE001 - raised below, once every process knows
-            error = e
-        local = [0.0] * (2 * n)
-        local[i], local[n + i] = float(self._local_replicas), float(error is not None)
-        total = processes.sum(local, "the check that every rank wrote its part of the backup")
-        if error is not None:
-            raise error
-        failed = [j for j in range(n) if total[n + j]]
-        if failed:
-            names = ", ".join(f"{processes.kind} {j}" for j in failed[:8])
-            raise RuntimeError(f"BackupAndRestore: {names} could not write its part of the backup (see its error).")
-        self._check_shards_seen(position)
-        if not self._is_writer:
-            if self._save_communicates():  # the same collectives as the writer's save
-                with tempfile.TemporaryDirectory(prefix="tf_adasum_backup_") as scratch:
-                    self.model.save_weights(os.path.join(scratch, "discarded.weights.h5"))
-            return
-        name = f"epoch-{epoch:06d}-{uuid.uuid4().hex[:8]}.weights.h5"
-        self._commit(name, self.model.save_weights)
-        shards, first = [], 0
-        for j, count in enumerate(int(c) for c in total[:n]):
-            file = _shard_name(position, j)
-            size = os.path.getsize(os.path.join(self.backup_dir, file))
-            shards.append({"file": file, "first": first, "count": count, "bytes": size})
-            first += count
-        metadata = {
-            "format": _FORMAT,
-            "epoch": epoch,
-            "batch": position.batch,
-            "weights": name,
-            "bytes": os.path.getsize(os.path.join(self.backup_dir, name)),
-            "processes": n,
-            "replicas": first,
-            "variables": len(variables),
-            "shards": shards,
-            "keras": keras.__version__,
-        }
-
-        def write_metadata(path):
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(metadata, f)
-
-        self._commit(METADATA_NAME, write_metadata)
-        self._remove_files(keep=(METADATA_NAME, name, *(s["file"] for s in shards)))
-
-    def _check_shards_seen(self, position: Position) -> None:
-        """One small sum: whether every process sees every process's shard in
-        `backup_dir`; a `ValueError` on every process otherwise (a folder per
-        process instead of a shared one), before the metadata names them."""
-        processes = self._processes
-        n, i = processes.count, processes.index
-        missing = [j for j in range(n) if not os.path.exists(os.path.join(self.backup_dir, _shard_name(position, j)))]
-        local = [0.0] * n
-        local[i] = float(bool(missing))
-        blind = [j for j, flag in enumerate(processes.sum(local, "the check that every rank sees the backup")) if flag]
-        if blind:
-            seen = f" (this one misses {_shard_name(position, missing[0])})" if missing else ""
-            names = ", ".join(f"{processes.kind} {j}" for j in blind[:8])
-            raise ValueError(
-                f"BackupAndRestore: {names} cannot see every process's part of the backup in {self.backup_dir}"
-                f"{seen}. Every process must see the same `backup_dir`, a folder on a filesystem shared by all "
-                "of them, written only by this run."
-            )
-
-    def _commit(self, name: str, write: Callable[[str], None]) -> None:
-        """Makes ``backup_dir/name`` appear complete or not at all: `write` to a
-        temporary file beside it, fsync, rename, fsync the folder."""
-        temp = os.path.join(self.backup_dir, f"{_TEMP_PREFIX}{uuid.uuid4().hex[:8]}-{name}")
-        try:
-            write(temp)
-            _fsync(temp)
-            os.replace(temp, os.path.join(self.backup_dir, name))
-        finally:
-            if os.path.exists(temp):
-                os.remove(temp)
-        _fsync(self.backup_dir, directory=True)
-
-    def _remove_files(self, keep=()) -> None:
-        """Removes this callback's files (weights, metadata, temporaries) except `keep`."""
-        for entry in sorted(os.listdir(self.backup_dir)):
-            ours = (
-                entry == METADATA_NAME
-                or entry.startswith(_TEMP_PREFIX)
-                or _WEIGHTS_NAME.fullmatch(entry)
-                or _SHARD_NAME.fullmatch(entry)
-            )
-            if ours and entry not in keep:
-                try:
-                    os.remove(os.path.join(self.backup_dir, entry))
-                except FileNotFoundError:
-                    pass
+        """Every process's part of the backup at `position` (`tf_adasum.resume.save`)."""
+        steps = (self.params or {}).get("steps") or 0
+        self._saved_batches = position.epoch * steps + position.batch  # on every process
+        job = save_lib.Job(self._processes, self.backup_dir, self._first_replica, self._local_replicas, steps)
+        save_lib.save(job, position, self.model, self._optimizer_variables(), self._save_communicates())
 
     # -- completion -------------------------------------------------------------------
 
     def on_train_end(self, logs=None):
-        self._release_sigterm()
+        self._notice.release()
         if self._set_initial_epoch:  # applies to this `fit` only (Keras' own callback leaves it set)
             keras_step.set_initial_epoch(self.model, None)
             self._set_initial_epoch = False
@@ -614,7 +412,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             metadata = os.path.join(self.backup_dir, METADATA_NAME)
             if os.path.exists(metadata):
                 os.remove(metadata)  # first: a kill from here on leaves no backup, not a damaged one
-            self._remove_files()
+            folder.remove_files(self.backup_dir)
             try:
                 os.rmdir(self.backup_dir)
             except OSError:

@@ -31,8 +31,8 @@ root, which is the caller's uid outside). The namespaces have no name: they
 vanish with the launcher and its workers, however they end
 (the same helper builds them).
 
-With ``--mpirun`` (and ``--hosts``) the launcher starts no TF_CONFIG
-workers: it runs Open MPI's ``mpirun -np N`` on host 0, with the hosts as its
+With ``--mpirun`` the launcher starts no TF_CONFIG workers: it runs Open
+MPI's ``mpirun -np N`` on this machine, or with ``--hosts`` on host 0, with the hosts as its
 node list (the same contiguous blocks of ranks) and
 ``helper.py rsh`` in place of ssh to start its daemon on each other
 host, every host with a host name of its own; MPI's TCP traffic goes over the
@@ -59,13 +59,13 @@ if __package__:
     from tf_adasum.launcher import children, elastic, helper, tf_config
     from tf_adasum.launcher.children import NetworkIsolationError
     from tf_adasum.launcher.elastic import ElasticError
-    from tf_adasum.launcher.mpirun import emulated_hosts_command, require_mpirun
+    from tf_adasum.launcher.mpirun import emulated_hosts_command, mpirun_command, require_mpirun
 else:  # run by path (python [-I -S] tf_adasum/launch.py): the package beside it, without tf_adasum's (TF's) import
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from launcher import children, elastic, helper, tf_config
     from launcher.children import NetworkIsolationError
     from launcher.elastic import ElasticError
-    from launcher.mpirun import emulated_hosts_command, require_mpirun
+    from launcher.mpirun import emulated_hosts_command, mpirun_command, require_mpirun
 
 __all__ = ["ElasticError", "NetworkIsolationError", "launch", "main"]
 
@@ -175,12 +175,14 @@ def launch(
         address; 1 <= hosts <= num_workers.
       link: with `hosts`, each host's link rate in both directions, in tc's
         syntax (``"1gbit"``, ``"100mbit"``); None: no limit.
-      mpirun: with `hosts`, run `command` as `num_workers` MPI ranks under
-        one ``mpirun`` (the one beside this Python, else on PATH) across the
-        emulated hosts instead of as TF_CONFIG workers (as root).
+      mpirun: run `command` as `num_workers` MPI ranks under one ``mpirun``
+        (the one beside this Python, else on PATH) instead of as TF_CONFIG
+        workers: on this machine, or with `hosts` across the emulated hosts
+        (as root).
       min_workers: an elastic run (`tf_adasum/launcher/elastic.py`): rounds
         of as many workers as are available, at least this many (None:
-        `num_workers`); TF_CONFIG workers only, not with `mpirun`.
+        `num_workers`); with `mpirun`, rounds of ``mpirun -np W`` on this
+        machine (not across `hosts`).
       max_restarts: relaunch a failed round at most this many times.
       discover: a shell command printing how many workers can run now (one
         integer), asked every second; a change ends the round with SIGTERM
@@ -224,33 +226,42 @@ def launch(
         )
     if not isinstance(mpirun, bool):
         raise TypeError(f"`mpirun` must be a bool. Received: mpirun={mpirun!r}")
-    if mpirun and hosts is None:
-        raise ValueError("`mpirun` runs the ranks on emulated hosts: give `hosts`. Received: mpirun=True, hosts=None")
+    if mpirun and isolate_network:
+        raise ValueError(
+            "`mpirun` and `isolate_network` exclude each other (mpirun's ranks use the machine's network). "
+            "Received: mpirun=True, isolate_network=True"
+        )
     if isolate_network and hosts is not None:
         raise ValueError(
             "`isolate_network` and `hosts` exclude each other (the emulated hosts are private already). "
             f"Received: isolate_network=True, hosts={hosts!r}"
         )
-    settings = elastic.Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
-    settings = settings._replace(discover=discover, wait_seconds=wait_seconds).check()
-    is_elastic = settings.min_workers < num_workers or max_restarts > 0 or discover is not None
-    if is_elastic and (mpirun or (hosts is not None and settings.min_workers < hosts)):
-        raise ValueError(
-            "An elastic run (min_workers, max_restarts, discover) starts TF_CONFIG workers, at least one a host: "
-            f"not with mpirun, and min_workers >= hosts. Received: mpirun={mpirun}, hosts={hosts}, "
-            f"min_workers={settings.min_workers}"
-        )
+    settings = elastic.settings(num_workers, min_workers, max_restarts, discover, wait_seconds, hosts, mpirun)
     base = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-    if mpirun:
+    if mpirun and hosts is not None:
         return _launch_mpirun(num_workers, command, base, hosts, link)
-    if is_elastic:
+
+    def start(workers, env, resize=None):
+        if mpirun:
+            return _launch_local_mpirun(workers, command, env, resize)
+        return _launch_workers(workers, command, env, isolate_network, hosts, link, resize)
+
+    if settings.is_elastic():
 
         def start_round(number, workers, resize):
-            round_env = dict(base, **{elastic.ROUND_VARIABLE: str(number)})
-            return _launch_workers(workers, command, round_env, isolate_network, hosts, link, resize)
+            return start(workers, dict(base, **{elastic.ROUND_VARIABLE: str(number)}), resize)
 
         return elastic.run(settings, start_round)
-    return _launch_workers(num_workers, command, base, isolate_network, hosts, link)
+    return start(num_workers, base)
+
+
+def _launch_local_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], resize=None) -> int:
+    """`launch` with ``mpirun=True`` on this machine: ``mpirun -np N command``."""
+    try:
+        program = mpirun_command(num_ranks)
+    except FileNotFoundError as error:
+        raise NetworkIsolationError(str(error)) from None
+    return children.run([children.Child([*program, *command], env, "[mpirun] ")], resize=resize)
 
 
 def _launch_workers(num_workers, command, base, isolate_network, hosts, link, resize=None) -> int:
@@ -310,33 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--mpirun",
         action="store_true",
-        help="with --hosts: run the script as N MPI ranks under one mpirun across the hosts (as root)",
+        help="run the script as N MPI ranks under one mpirun, on this machine or across --hosts (as root)",
     )
-    parser.add_argument(
-        "--min-workers",
-        type=int,
-        metavar="M",
-        help="elastic: run with as few as M workers (default -n), waiting up to --wait seconds for them",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="R",
-        help="elastic: relaunch the workers after a failure up to R times; they resume from their backup",
-    )
-    parser.add_argument(
-        "--discover",
-        metavar="CMD",
-        help="elastic: a shell command printing how many workers can run now (one integer), asked every second",
-    )
-    parser.add_argument(
-        "--wait",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="elastic: seconds to wait for --min-workers before failing (default 60)",
-    )
+    elastic.add_options(parser)
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -347,14 +334,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--hosts must be from 1 to -n ({args.num_workers}), at most {helper.MAX_HOSTS}. "
             f"Received: --hosts {args.hosts}"
         )
+    if args.mpirun and args.isolate_network:
+        parser.error("`mpirun` and `isolate_network` exclude each other (mpirun's ranks use the machine's network)")
     if args.hosts is not None and args.isolate_network:
         parser.error("--isolate-network and --hosts exclude each other (the emulated hosts are private already)")
     if args.link is not None and (args.hosts is None or not _is_rate(args.link)):
         parser.error(f"--link must be a rate such as 1gbit or 100mbit, with --hosts. Received: --link {args.link}")
-    if args.mpirun and args.hosts is None:
-        parser.error("--mpirun runs the ranks across emulated hosts: give --hosts too")
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script!r}")
+    try:
+        elastic.settings(
+            args.num_workers, args.min_workers, args.max_restarts, args.discover, args.wait, args.hosts, args.mpirun
+        )
+    except (TypeError, ValueError) as error:
+        parser.error(elastic.as_options(str(error)))
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C, so the workers are stopped too.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
@@ -370,8 +363,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             discover=args.discover,
             wait_seconds=args.wait,
         )
-    except ValueError as error:
-        parser.error(str(error))
     except ElasticError as error:
         print(f"tf-adasum launch: error: {error}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ import tf_adasum  # noqa: E402
 from tf_adasum import backup  # noqa: E402
 from tf_adasum.comm import mpi_transport  # noqa: E402
 from tf_adasum.processes import Processes  # noqa: E402
+from tf_adasum.resume import folder  # noqa: E402
 
 EPOCHS, STEPS = 4, 3
 #: Collective timeout: a bug fails the run instead of hanging it.
@@ -112,25 +113,29 @@ class Job:
 class FaultyBackup(backup.BackupAndRestore):
     """Dies inside the writer's save at the end of epoch `epoch`: after a
     partial temporary weights file ("inside"), or after the weights file,
-    before the metadata ("between")."""
+    before the metadata ("between"). It wraps `tf_adasum.resume.folder.commit`,
+    through which every file of a backup is written."""
 
     def __init__(self, backup_dir, fault, epoch):
         super().__init__(backup_dir)
         self.fault, self.epoch, self.now = fault, epoch, False
+        original = folder.commit
+
+        def commit(backup_dir, name, write):
+            if self.now and self.fault == "inside" and name.endswith(".weights.h5"):
+                temp = os.path.join(backup_dir, f".tmp-killed-{name}")
+                write(temp)
+                os.truncate(temp, os.path.getsize(temp) // 2)  # as if killed while writing
+                os._exit(KILLED)
+            if self.now and self.fault == "between" and name == backup.METADATA_NAME:
+                os._exit(KILLED)
+            original(backup_dir, name, write)
+
+        folder.commit = commit
 
     def on_epoch_end(self, epoch, logs=None):
         self.now = epoch == self.epoch
         super().on_epoch_end(epoch, logs)
-
-    def _commit(self, name, write):
-        if self.now and self.fault == "inside" and name.endswith(".weights.h5"):
-            temp = os.path.join(self.backup_dir, f".tmp-killed-{name}")
-            write(temp)
-            os.truncate(temp, os.path.getsize(temp) // 2)  # as if killed while writing
-            os._exit(KILLED)
-        if self.now and self.fault == "between" and name == backup.METADATA_NAME:
-            os._exit(KILLED)
-        super()._commit(name, write)
 
 
 class Report(keras.callbacks.Callback):

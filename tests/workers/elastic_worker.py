@@ -1,4 +1,5 @@
-"""One worker of the elastic tests, started by ``tf-adasum launch`` with elastic options.
+"""One worker of the elastic tests, started by ``tf-adasum launch`` with elastic options
+(TF_CONFIG: a MultiWorkerMirroredStrategy worker; with ``--mpirun``: an MPI rank, no strategy).
 
     python elastic_worker.py OUTDIR PLAN.json
 
@@ -12,9 +13,9 @@ launcher's discovery, asked every second, sees a change in time).
 
 The plan (JSON) says what happens in which round (``TF_ADASUM_ELASTIC_ROUND``):
 ``{"kill": [ROUND, RANK, BATCH]}`` SIGKILLs that worker as the run's batch
-BATCH begins; ``{"slots": [[ROUND, BATCH, COUNT], ...]}`` makes worker 0
-write COUNT to ``OUTDIR/slots`` (which the test's discovery command prints)
-after that batch.
+BATCH begins; ``{"slots": [[ROUND, TRAINED, COUNT], ...]}`` makes worker 0
+replace ``OUTDIR/slots`` (which the test's discovery command prints) by
+COUNT once it has trained TRAINED batches in that round.
 
 Writes, per round R and worker I: ``restored{R}_rank{I}.json`` (the
 workers, the position restored) and ``.npz`` (the state just after the
@@ -43,8 +44,9 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 from tf_adasum import backup  # noqa: E402
+from tf_adasum.comm import mpi_transport  # noqa: E402
 from tf_adasum.processes import Processes  # noqa: E402
-from tf_adasum.step import replica_states  # noqa: E402
+from tf_adasum.resume import replica_states  # noqa: E402
 
 EPOCHS, STEPS = 4, 6
 SLEEP_SECONDS = 0.25
@@ -56,9 +58,10 @@ def state(model):
 
 
 class Plan(keras.callbacks.Callback):
-    def __init__(self, plan, round_number, rank, out):
+    def __init__(self, plan, round_number, rank, out, restoring):
         super().__init__()
         self.plan, self.round, self.rank, self.out, self.epoch = plan, round_number, rank, out, 0
+        self.restoring, self.trained = restoring, 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
@@ -68,11 +71,17 @@ class Plan(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, batch, logs=None):
+        restored = self.restoring.restored_epoch * STEPS + self.restoring.restored_batch
+        if self.epoch * STEPS + batch < restored:
+            return  # a batch the backup held: skipped, not trained
+        self.trained += 1
         time.sleep(SLEEP_SECONDS)
-        for round_number, number, count in self.plan.get("slots", ()):
-            if self.rank == 0 and [round_number, number] == [self.round, self.epoch * STEPS + batch]:
-                with open(os.path.join(self.out, "slots"), "w") as f:
+        for round_number, trained, count in self.plan.get("slots", ()):
+            if self.rank == 0 and [round_number, trained] == [self.round, self.trained]:
+                temporary = os.path.join(self.out, "slots.tmp")
+                with open(temporary, "w") as f:
                     f.write(f"{count}\n")
+                os.replace(temporary, os.path.join(self.out, "slots"))  # the discovery never reads it half-written
 
 
 class Restored(keras.callbacks.Callback):
@@ -91,9 +100,11 @@ class Restored(keras.callbacks.Callback):
 def main():
     out, plan = sys.argv[1], json.loads(open(sys.argv[2]).read())
     round_number = int(os.environ.get("TF_ADASUM_ELASTIC_ROUND", "0"))
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=60)
-    )
+    strategy = tf.distribute.get_strategy()  # under mpirun: no strategy, the MPI engine
+    if "TF_CONFIG" in os.environ:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=60)
+        )
     processes = Processes.of(strategy)
     rank, size = processes.index, processes.count
     with strategy.scope():
@@ -110,12 +121,13 @@ def main():
         xs.append(x[rows])
         ys.append(y[rows])
     dataset = tf.data.Dataset.from_tensor_slices((np.concatenate(xs), np.concatenate(ys))).batch(b)
-    dataset = strategy.distribute_datasets_from_function(lambda context: dataset)
+    if "TF_CONFIG" in os.environ:
+        dataset = strategy.distribute_datasets_from_function(lambda context: dataset)
     restoring = backup.BackupAndRestore(folder, save_freq=2, save_before_preemption=True)
     callbacks = [
         restoring,
         Restored(restoring, os.path.join(out, f"restored{round_number}_rank{rank}"), {"workers": size}),
-        Plan(plan, round_number, rank, out),
+        Plan(plan, round_number, rank, out, restoring),
     ]
     try:
         model.fit(dataset, epochs=EPOCHS, steps_per_epoch=STEPS, shuffle=False, verbose=0, callbacks=callbacks)
@@ -126,6 +138,8 @@ def main():
     with open(os.path.join(out, f"final_rank{rank}.json"), "w") as f:
         json.dump({"iterations": int(model.optimizer.iterations.numpy()), "round": round_number}, f)
     sys.stdout.flush()
+    if processes.kind == "rank":
+        mpi_transport.mpi().Finalize()  # mpirun treats an exit without it as a failure
     os._exit(0)  # skip TF's teardown, which can wait on peers that already left
 
 

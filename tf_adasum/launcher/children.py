@@ -140,13 +140,17 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
     until one fails or all exit 0; then stops the rest (`stop`).
 
     `release`: descriptors to close once every child holds its namespaces (at
-    the latest when this returns). `resize`: asked every `POLL_SECONDS`; once
-    it answers True, every child's group gets SIGTERM (a preemption notice:
-    the workers back up, then exit) and has `RESIZE_GRACE_SECONDS` to exit
-    before `stop`.
+    the latest when this returns). `resize`: asked every `POLL_SECONDS` while
+    no child has exited; once it answers True, every child's group gets
+    `helper.NOTICE_SIGNAL` (SIGUSR1, a preemption notice: the workers back up,
+    then exit with one of `helper.NOTICE_EXIT_CODES`; mpirun forwards it to its
+    ranks), and they have `RESIZE_GRACE_SECONDS` to exit; any other exit code
+    (a failure) or a child that finished (0) ends the round at once.
 
     Returns:
-      0, or the first non-zero exit code observed (128 + S for signal S).
+      0 (all exited 0; after a notice, one did: training finished), or the
+      first non-zero exit code observed (128 + S for signal S); after a
+      notice, one of `helper.NOTICE_EXIT_CODES` when every child exited so.
     """
     lock = threading.Lock()
     processes, threads, release = [], [], list(release)
@@ -169,21 +173,28 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
         while release:
             os.close(release.pop())
         while True:
-            codes = [p.poll() for p in processes]
+            codes = [128 - c if c is not None and c < 0 else c for c in (p.poll() for p in processes)]
             failed = [c for c in codes if c not in (None, 0)]
-            if None not in codes or (failed and noticed is None):
-                code = failed[0] if failed else 0
-                break
-            if noticed is not None and time.monotonic() > noticed + RESIZE_GRACE_SECONDS:
-                code = failed[0] if failed else 128 + signal.SIGKILL
-                break
-            if resize is not None and noticed is None and time.monotonic() >= next_poll:
-                next_poll = time.monotonic() + POLL_SECONDS
-                if resize():
-                    noticed = time.monotonic()
-                    for process in processes:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(process.pid, signal.SIGTERM)
+            if noticed is None:
+                if None not in codes or failed:
+                    code = failed[0] if failed else 0
+                    break
+                # Asked only while no child has finished: a notice racing the end of training would end it.
+                if resize is not None and 0 not in codes and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + POLL_SECONDS
+                    if resize():
+                        noticed = time.monotonic()
+                        for process in processes:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.killpg(process.pid, helper.NOTICE_SIGNAL)
+            else:  # after a notice: a backup, then exits with NOTICE_EXIT_CODES; anything else is a failure
+                unexpected = [c for c in failed if c not in helper.NOTICE_EXIT_CODES]
+                if 0 in codes or unexpected or None not in codes:
+                    code = 0 if 0 in codes else (unexpected or failed)[0]
+                    break
+                if time.monotonic() > noticed + RESIZE_GRACE_SECONDS:
+                    code = 128 + signal.SIGKILL
+                    break
             time.sleep(0.1)
     finally:
         stop(processes)
@@ -191,4 +202,4 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
             os.close(fd)
     for thread in threads:
         thread.join(timeout=GRACE_SECONDS)
-    return 128 - code if code < 0 else code
+    return code

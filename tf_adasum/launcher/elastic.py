@@ -7,11 +7,14 @@ available (at most ``-n``, at least ``--min-workers``) and ends when they end:
 * one fails (an exit code, a kill): the others are stopped, and the next
   round starts if fewer than ``--max-restarts`` rounds have failed so far
   (else the launcher exits with that code);
-* the count available changes (``--discover``, asked every second): every
-  worker gets SIGTERM, a preemption notice, so that with
+* the count available changes (``--discover``, asked every second while no
+  worker has exited): every worker's process group gets SIGUSR1
+  (`helper.NOTICE_SIGNAL`), a preemption notice, so that with
   ``tf_adasum.BackupAndRestore(save_before_preemption=True)`` they back up
-  after their batch and exit; the next round starts at the new size, and
-  such a round does not count as failed.
+  after their batch and exit with 143; the next round starts at the new
+  size, and such a round does not count as failed (a worker that exits
+  otherwise after the notice fails the round; one that exits 0 ends the run:
+  training finished).
 
 The training script resumes from its backup at each round's start: that is
 what makes the rounds one run. Each worker finds its round in
@@ -29,12 +32,17 @@ Standard library only, and nothing of ours outside this folder.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import NamedTuple
+
+from . import helper  # the package beside it, whether tf_adasum.launcher or, run by path, launcher
 
 #: The variable that tells each worker its round.
 ROUND_VARIABLE = "TF_ADASUM_ELASTIC_ROUND"
@@ -59,48 +67,64 @@ class Elastic(NamedTuple):
     wait_seconds: float = 60.0
 
     def check(self) -> Elastic:
-        """Itself, or a `ValueError` naming the argument and the value received."""
+        """Itself, or a `TypeError` or `ValueError` naming the argument and the value received."""
         for name in ("min_workers", "max_workers", "max_restarts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_restarts" else 1):
-                least = 0 if name == "max_restarts" else 1
+            value, least = getattr(self, name), 0 if name == "max_restarts" else 1
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
+            if value < least:
                 raise ValueError(f"`{name}` must be an int >= {least}. Received: {name}={value!r}")
         if self.min_workers > self.max_workers:
             raise ValueError(
                 "`min_workers` must not exceed the workers asked for (-n). Received: "
                 f"min_workers={self.min_workers}, max_workers={self.max_workers}"
             )
-        if self.discover is not None and (not isinstance(self.discover, str) or not self.discover.strip()):
+        if self.discover is not None and not isinstance(self.discover, str):
+            raise TypeError(f"`discover` must be a shell command (str). Received: discover={self.discover!r}")
+        if self.discover is not None and not self.discover.strip():
             raise ValueError(f"`discover` must be a shell command. Received: discover={self.discover!r}")
         if isinstance(self.wait_seconds, bool) or not isinstance(self.wait_seconds, (int, float)):
-            raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
+            raise TypeError(f"`wait_seconds` must be a number. Received: wait_seconds={self.wait_seconds!r}")
         if not self.wait_seconds >= 0:
             raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
         return self
+
+    def is_elastic(self) -> bool:
+        """Whether these settings ask for rounds (else: one launch, as without them)."""
+        return self.min_workers < self.max_workers or self.max_restarts > 0 or self.discover is not None
 
     def available(self) -> int:
         """The workers that can run now, at most `max_workers` (the discovery
         command's answer, or `max_workers` without one)."""
         if self.discover is None:
             return self.max_workers
+        command = subprocess.Popen(
+            self.discover,
+            shell=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a group of its own: a command that hangs goes with its children
+        )
         try:
-            result = subprocess.run(
-                self.discover, shell=True, capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_SECONDS
-            )
+            stdout, stderr = command.communicate(timeout=DISCOVERY_TIMEOUT_SECONDS)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(command.pid, signal.SIGKILL)
+            command.communicate()
             raise ElasticError(
                 f"the discovery command {self.discover!r} did not answer within {DISCOVERY_TIMEOUT_SECONDS:g} s"
             ) from None
-        if result.returncode != 0:
+        if command.returncode != 0:
             raise ElasticError(
-                f"the discovery command {self.discover!r} exited with code {result.returncode}: "
-                f"{result.stderr.strip()[-500:] or '(no output on stderr)'}"
+                f"the discovery command {self.discover!r} exited with code {command.returncode}: "
+                f"{stderr.strip()[-500:] or '(no output on stderr)'}"
             )
-        match = _COUNT.fullmatch(result.stdout)
+        match = _COUNT.fullmatch(stdout)
         if match is None:
             raise ElasticError(
                 f"the discovery command {self.discover!r} must print the number of workers that can run now "
-                f"(one integer, e.g. 4). Received: {result.stdout[:200]!r}"
+                f"(one integer, e.g. 4). Received: {stdout[:200]!r}"
             )
         return min(int(match.group(1)), self.max_workers)
 
@@ -118,6 +142,71 @@ class Elastic(NamedTuple):
                     f"{self.wait_seconds:g} s (the discovery command {self.discover!r})"
                 )
             time.sleep(WAIT_POLL_SECONDS)
+
+
+#: The elastic arguments of `tf_adasum.launch.launch` and their options on the command line.
+OPTIONS = {
+    "min_workers": "--min-workers",
+    "max_workers": "-n",
+    "max_restarts": "--max-restarts",
+    "discover": "--discover",
+    "wait_seconds": "--wait",
+    "hosts": "--hosts",
+    "mpirun": "--mpirun",
+}
+
+
+def settings(num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False) -> Elastic:
+    """`launch`'s elastic arguments, checked (a `TypeError` or `ValueError` naming the argument)."""
+    elastic = Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
+    elastic = elastic._replace(discover=discover, wait_seconds=wait_seconds).check()
+    if elastic.min_workers < num_workers and discover is None:
+        raise ValueError(
+            "`min_workers` below the workers asked for needs `discover` (without it every worker is always "
+            f"available). Received: min_workers={elastic.min_workers}, discover=None"
+        )
+    if elastic.is_elastic() and hosts is not None and (mpirun or elastic.min_workers < hosts):
+        raise ValueError(
+            "An elastic run on emulated hosts starts TF_CONFIG workers, at least one a host: not `mpirun`, and "
+            f"`min_workers` >= `hosts`. Received: mpirun={mpirun}, hosts={hosts}, min_workers={elastic.min_workers}"
+        )
+    return elastic
+
+
+def as_options(message: str) -> str:
+    """An error message of `settings` with the command line's option names."""
+    for name, option in OPTIONS.items():
+        message = message.replace(f"`{name}`", option).replace(f"{name}=", f"{option} ")
+    return message
+
+
+def add_options(parser) -> None:
+    """The elastic options of ``tf-adasum launch``."""
+    parser.add_argument(
+        "--min-workers",
+        type=int,
+        metavar="M",
+        help="elastic, with --discover: run with as few as M workers (default -n), waiting up to --wait seconds",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="elastic: relaunch the workers after a failure up to R times; they resume from their backup",
+    )
+    parser.add_argument(
+        "--discover",
+        metavar="CMD",
+        help="elastic: a shell command printing how many workers can run now (one integer), asked every second",
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="elastic: seconds to wait for --min-workers before failing (default 60)",
+    )
 
 
 def say(message: str) -> None:
@@ -151,7 +240,7 @@ def run(elastic: Elastic, start_round: Callable[[int, int, Callable[[], bool]], 
         round_number += 1
         if code == 0:
             return 0
-        if changed:
+        if changed and code in helper.NOTICE_EXIT_CODES:
             say(f"round {round_number - 1} ended for a resize to {changed[0]} workers (exit code {code})")
             continue
         failures += 1

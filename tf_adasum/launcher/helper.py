@@ -84,6 +84,13 @@ WATCHED_ROLES = ("worker", "network", "hosts")
 HOST_INTERFACE = "eth0"
 #: Where the launcher names its hosts' namespaces for `enter` and `rsh`.
 HOSTS_VARIABLE = "TF_ADASUM_EMULATED_HOSTS"
+#: The signal an elastic launcher sends its workers' groups to end a round for a resize: the workers
+#: back up and exit (`tf_adasum.BackupAndRestore(save_before_preemption=True)`); mpirun forwards it.
+NOTICE_SIGNAL = signal.SIGUSR1
+#: A worker's exit code after the backup a notice (or SIGTERM) asked for: 128 + SIGTERM, as a shell shows it.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+#: The exit codes that end a round after a notice as the notice asked (a worker still starting dies of it).
+NOTICE_EXIT_CODES = (PREEMPTED_EXIT_CODE, 128 + NOTICE_SIGNAL)
 #: Host h's address is SUBNET + (h + 1); at most MAX_HOSTS hosts.
 SUBNET = "10.241.0."
 MAX_HOSTS = 253
@@ -280,6 +287,7 @@ def _supervise(launcher_pid: int, network: list[int], command: list[str]) -> int
     ignored = [signum for signum in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signum) == signal.SIG_IGN]
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, lambda signum, frame: None)  # a group-wide Ctrl-C is the worker's to handle
+    signal.signal(NOTICE_SIGNAL, lambda signum, frame: None)  # a resize notice: the worker's (mpirun forwards it)
     has_death_signal = _die_with_parent(signal.SIGTERM)
     if os.getppid() != launcher_pid:
         return 1  # the launcher died before we could ask for the signal

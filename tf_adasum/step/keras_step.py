@@ -138,5 +138,14 @@ def skip_train_calls(model: keras.Model, calls: int) -> None:
             next(iterator)  # the end of the data ends the epoch, as in `fit`
         return {}
 
+    skipping.tf_adasum_original = train_function
     if calls > 0:
         model.train_function = skipping
+
+
+def restore_train_function(model: keras.Model) -> None:
+    """`fit`'s own train function again, if `skip_train_calls` left its
+    wrapper in place (a `fit` that ended while skipping)."""
+    original = getattr(getattr(model, "train_function", None), "tf_adasum_original", None)
+    if original is not None:
+        model.train_function = original

@@ -4,7 +4,8 @@ In delta mode each replica's inner optimizer takes its own local steps, so its
 slots (momentum, Adam's moments) differ from replica to replica, while a
 checkpoint of a mirrored variable (`model.save_weights`, tf.distribute's
 checkpoints) holds replica 0's copy only. `tf_adasum.BackupAndRestore` saves
-what this module reads, one file per process, and restores it here.
+what this module reads, one file per process (`tf_adasum.resume.folder`),
+and restores it here.
 
 Replicas are numbered over the whole job: the process of index p
 (`tf_adasum.processes`) holds the replicas ``first .. first + k - 1``, where
@@ -13,12 +14,13 @@ Replicas are numbered over the whole job: the process of index p
 replica without a strategy).
 
 **The rule at restore.** With N replicas saved and M now, replica j takes
-saved replica ``j mod N``'s value of every optimizer variable whose saved
-shape is its shape: all of them at the same N (the resume is exact), and at
-another N every variable but the few whose shape holds the replica count
-(AdaCons' weights, the diagnostics), which keep what `model.load_weights`
-gave them. So M < N keeps replicas 0..M-1 and M > N repeats the saved
-replicas in order. Values are copied bit for bit; nothing is averaged.
+saved replica ``j mod N``'s value of each variable it is given (whose saved
+shape is its shape): `tf_adasum.BackupAndRestore` gives every optimizer
+variable at the same N (the resume is exact) and the innermost optimizer's
+at another (its slots and step count; the wrapper's own state, such as
+AdaCons' per-replica weights, restarts). So M < N keeps replicas 0..M-1 and
+M > N repeats the saved replicas in order. Values are copied bit for bit;
+nothing is averaged.
 """
 
 from __future__ import annotations
@@ -64,14 +66,18 @@ def saved_replica(replica: int, saved_replicas: int) -> int:
 
 
 def restore(
-    variables: Sequence, first: int, saved_replicas: int, load: Callable[[int], Mapping[str, np.ndarray]]
+    pairs: Sequence[tuple[int, object]],
+    first: int,
+    saved_replicas: int,
+    load: Callable[[int], Mapping[str, np.ndarray]],
 ) -> list[str]:
-    """Assigns each local replica's copy of `variables` its saved replica's
-    value (the rule above). `load(r)` returns the saved values holding replica
-    r (`read`'s names). Returns the paths of the variables left as they were
-    (shape changed with the replica count). No communication."""
+    """Assigns each local replica's copy of each variable of `pairs`
+    ((position in `read`'s list, variable)) its saved replica's value (the
+    rule above). `load(r)` returns the saved values holding replica r
+    (`read`'s names). Returns the paths of the variables left as they were
+    (their shape changed with the replica count). No communication."""
     kept = set()
-    for position, variable in enumerate(variables):
+    for position, variable in pairs:
         for offset, copy in enumerate(local_copies(variable)):
             source = saved_replica(first + offset, saved_replicas)
             value = load(source)[key(source, position)]
