@@ -12,6 +12,8 @@ save_before_preemption=True)`, a short sleep after each batch (so that the
 launcher's discovery, asked every second, sees a change in time).
 
 The plan (JSON) says what happens in which round (``TF_ADASUM_ELASTIC_ROUND``):
+``{"reference": true}`` first trains the same job uninterrupted in
+``OUTDIR/reference_backup`` (round 0 only; ``reference_rank{I}.npz``);
 ``{"kill": [ROUND, RANK, BATCH]}`` SIGKILLs that worker as the run's batch
 BATCH begins; ``{"slots": [[ROUND, TRAINED, COUNT], ...]}`` makes worker 0
 replace ``OUTDIR/slots`` (which the test's discovery command prints) by
@@ -75,7 +77,8 @@ class Plan(keras.callbacks.Callback):
         if self.epoch * STEPS + batch < restored:
             return  # a batch the backup held: skipped, not trained
         self.trained += 1
-        time.sleep(SLEEP_SECONDS)
+        if self.plan.get("slots"):
+            time.sleep(SLEEP_SECONDS)  # the launcher asks the discovery every second
         for round_number, trained, count in self.plan.get("slots", ()):
             if self.rank == 0 and [round_number, trained] == [self.round, self.trained]:
                 temporary = os.path.join(self.out, "slots.tmp")
@@ -107,23 +110,39 @@ def main():
         )
     processes = Processes.of(strategy)
     rank, size = processes.index, processes.count
-    with strategy.scope():
-        keras.utils.set_random_seed(10 + rank)
-        model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
-        model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=False)
-    folder = os.path.join(out, "backup")
-    x, y = simulation_data(STEPS)
-    b = BATCH // size
-    mine, xs, ys = np.arange(rank * b, (rank + 1) * b), [], []
-    for epoch in range(backup.saved_epoch(folder), EPOCHS):
-        order = np.random.default_rng(epoch).permutation(STEPS)
-        rows = np.concatenate([s * BATCH + mine for s in order])
-        xs.append(x[rows])
-        ys.append(y[rows])
-    dataset = tf.data.Dataset.from_tensor_slices((np.concatenate(xs), np.concatenate(ys))).batch(b)
-    if "TF_CONFIG" in os.environ:
-        dataset = strategy.distribute_datasets_from_function(lambda context: dataset)
-    restoring = backup.BackupAndRestore(folder, save_freq=2, save_before_preemption=True)
+
+    def make_model():
+        with strategy.scope():
+            keras.utils.set_random_seed(10 + rank)
+            model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
+            optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.Adam(0.01))
+            model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        return model
+
+    def make_dataset(folder):
+        """This worker's block of each global batch, from the backup's epoch on."""
+        x, y = simulation_data(STEPS)
+        b = BATCH // size
+        mine, xs, ys = np.arange(rank * b, (rank + 1) * b), [], []
+        for epoch in range(backup.saved_epoch(folder), EPOCHS):
+            order = np.random.default_rng(epoch).permutation(STEPS)
+            rows = np.concatenate([s * BATCH + mine for s in order])
+            xs.append(x[rows])
+            ys.append(y[rows])
+        dataset = tf.data.Dataset.from_tensor_slices((np.concatenate(xs), np.concatenate(ys))).batch(b)
+        if "TF_CONFIG" in os.environ:
+            dataset = strategy.distribute_datasets_from_function(lambda context: dataset)
+        return dataset
+
+    options = {"save_freq": 2, "save_before_preemption": True}
+    if plan.get("reference") and round_number == 0:
+        reference, folder = make_model(), os.path.join(out, "reference_backup")
+        fit = {"epochs": EPOCHS, "steps_per_epoch": STEPS, "shuffle": False, "verbose": 0}
+        reference.fit(make_dataset(folder), callbacks=[backup.BackupAndRestore(folder, **options)], **fit)
+        np.savez(os.path.join(out, f"reference_rank{rank}.npz"), *state(reference))
+    model, folder = make_model(), os.path.join(out, "backup")
+    dataset = make_dataset(folder)
+    restoring = backup.BackupAndRestore(folder, **options)
     callbacks = [
         restoring,
         Restored(restoring, os.path.join(out, f"restored{round_number}_rank{rank}"), {"workers": size}),
