@@ -40,7 +40,14 @@ STEPS, BATCH_PER_WORKER = 40, 32
 FIRST_KILL, KILL_EVERY = 9, 11
 
 
-def _processor() -> str:
+def commit() -> str:
+    """The project's commit (with ``+changes`` when the tree differs from it)."""
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def processor() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -133,7 +140,8 @@ def _measure(save_freq: int, kills: int, workers: int, signal_name: str) -> dict
         "recovery_median_s": round(statistics.median(recovery), 2),
         "ratio_to_cold_start": round(statistics.median(recovery) / cold, 3),
         "batches_redone": redone,
-        "processor": _processor(),
+        "processor": processor(),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
     }
 

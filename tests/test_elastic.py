@@ -62,12 +62,6 @@ def _rounds(out, rank=0):
     return rounds
 
 
-ENGINES = [
-    pytest.param([], marks=pytest.mark.multiworker, id="workers"),
-    pytest.param(["--mpirun"], marks=pytest.mark.mpi, id="mpi"),
-]
-
-
 @pytest.mark.multiworker
 def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path):
     """Round 0 first trains the reference, uninterrupted, in a folder of its
@@ -87,15 +81,16 @@ def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path):
         _assert_bitwise_equal(_arrays(out / f"final_rank{rank}.npz"), expected, f"worker {rank}")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_discovery_schedule_2_4_2_resizes_at_backups(tmp_path, engine):
+@pytest.mark.multiworker
+def test_a_discovery_schedule_2_4_2_resizes_at_backups(tmp_path):
     """Worker 0 writes 4, then 2, to the file the discovery command prints:
-    each change ends the round by SIGUSR1 (every worker backs up and exits;
-    mpirun forwards it to its ranks),
+    each change ends the round by SIGUSR1 (every worker backs up and exits),
     and the next has exactly that many workers; after each resize the weights
-    are the backup's and worker j's optimizer state saved worker j mod N's."""
+    are the backup's and worker j's optimizer state saved worker j mod N's.
+    (Under mpirun, which forwards SIGUSR1 to its ranks, the resizes of
+    `tests/test_logical_replicas.py`.)"""
     plan = {"slots": [[0, 3, 4], [1, 3, 2]]}  # after 3 batches trained in rounds 0 and 1
-    arguments = [*engine, "-n", "4", "--min-workers", "2", "--discover", f"cat {tmp_path / 'elastic' / 'slots'}"]
+    arguments = ["-n", "4", "--min-workers", "2", "--discover", f"cat {tmp_path / 'elastic' / 'slots'}"]
     out, result = _train(tmp_path, "elastic", arguments, plan)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output

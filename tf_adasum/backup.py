@@ -12,7 +12,9 @@ seen by every process (a shared filesystem); its files are
   batches, or on a preemption notice) every process writes its replicas' own
   copies of the optimizer's variables (in delta mode each replica's momentum
   or Adam moments are its own) to a file of its own
-  (`tf_adasum.resume.replica_states`); no process gathers the others'. One
+  (`tf_adasum.resume.replica_states`), and the model's random-number
+  generators' states (dropout masks; `model.save_weights` leaves them out);
+  no process gathers the others'. One
   tiny sum over the processes (`tf_adasum.processes`) says every file is
   complete, a second that every process sees them all (a folder per process
   instead of a shared one is a `ValueError` on every process). Then the
@@ -203,6 +205,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._local_replicas = 1
         self._first_replica = 0
         self._replicas = 1
+        self._copies = replica_states.local_copies
         self._reads_communicate = False
         self._set_initial_epoch = False
 
@@ -232,6 +235,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._reads_communicate = _reading_communicates(list(model.variables) + self._optimizer_variables())
         replicas = strategy.num_replicas_in_sync  # of this process, or of every worker together
         self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas
+        self._copies = getattr(model, "replica_copies", replica_states.local_copies)
+        if optimizer is not None and hasattr(model, "replica_copies"):  # SimulatedReplicas: its logical replicas
+            self._local_replicas = len(self._copies(optimizer.iterations))
         metadata, error = None, None
         try:
             steps = self._steps_per_epoch()
@@ -342,7 +348,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         (`tf_adasum.resume.replica_states`): every variable at the same
         replica count, the innermost optimizer's at another (the wrapper's own
         state restarts as `model.load_weights` left it). A format-1 backup has
-        none: `model.load_weights` gave every replica replica 0's."""
+        none: `model.load_weights` gave every replica replica 0's. Then the
+        model's random-number generators, which `model.save_weights` leaves
+        out, from process 0's file."""
         if "shards" not in metadata:
             return
         loaded: dict[str, dict] = {}
@@ -358,7 +366,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if metadata["replicas"] != self._replicas:
             own = {id(v) for v in _innermost(self.model.optimizer).variables}
             pairs = [(position, v) for position, v in pairs if id(v) in own]
-        replica_states.restore(pairs, self._first_replica, metadata["replicas"], load)
+        replica_states.restore(pairs, self._first_replica, metadata["replicas"], load, self._copies)
+        replica_states.restore_seeds(self.model, load(0))  # process 0's file holds replica 0
 
     # -- save -----------------------------------------------------------------------
 
@@ -398,7 +407,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Every process's part of the backup at `position` (`tf_adasum.resume.save`)."""
         steps = (self.params or {}).get("steps") or 0
         self._saved_batches = position.epoch * steps + position.batch  # on every process
-        job = save_lib.Job(self._processes, self.backup_dir, self._first_replica, self._local_replicas, steps)
+        job = save_lib.Job(
+            self._processes, self.backup_dir, self._first_replica, self._local_replicas, steps, self._copies
+        )
         save_lib.save(job, position, self.model, self._optimizer_variables(), self._save_communicates())
 
     # -- completion -------------------------------------------------------------------

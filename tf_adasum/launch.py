@@ -153,6 +153,7 @@ def launch(
     max_restarts: int = 0,
     discover: str | None = None,
     wait_seconds: float = 60.0,
+    logical_replicas: int | None = None,
 ) -> int:
     """Runs `command` as `num_workers` workers of a cluster on this machine
     (localhost, or emulated hosts), or with `mpirun` as MPI ranks.
@@ -189,6 +190,10 @@ def launch(
         (the workers back up) and starts one at the new size. None:
         `num_workers` are always available.
       wait_seconds: how long to wait for `min_workers` before failing.
+      logical_replicas: the job's replica count L (`tf_adasum.SimulatedReplicas`
+        under `mpirun`), given to every worker in ``TF_ADASUM_LOGICAL_REPLICAS``;
+        `num_workers` must hold L, and each elastic round runs the largest
+        count that does (the others spare).
 
     Returns:
       0 when every worker exits 0, else the first non-zero exit code observed
@@ -236,8 +241,12 @@ def launch(
             "`isolate_network` and `hosts` exclude each other (the emulated hosts are private already). "
             f"Received: isolate_network=True, hosts={hosts!r}"
         )
-    settings = elastic.settings(num_workers, min_workers, max_restarts, discover, wait_seconds, hosts, mpirun)
+    settings = elastic.settings(
+        num_workers, min_workers, max_restarts, discover, wait_seconds, hosts, mpirun, logical_replicas
+    )
     base = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    if logical_replicas is not None:
+        base[elastic.REPLICAS_VARIABLE] = str(logical_replicas)
     if mpirun and hosts is not None:
         return _launch_mpirun(num_workers, command, base, hosts, link)
 
@@ -344,7 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no such script: {args.script!r}")
     try:
         elastic.settings(
-            args.num_workers, args.min_workers, args.max_restarts, args.discover, args.wait, args.hosts, args.mpirun
+            args.num_workers,
+            args.min_workers,
+            args.max_restarts,
+            args.discover,
+            args.wait,
+            args.hosts,
+            args.mpirun,
+            args.logical_replicas,
         )
     except (TypeError, ValueError) as error:
         parser.error(elastic.as_options(str(error)))
@@ -362,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             discover=args.discover,
             wait_seconds=args.wait,
+            logical_replicas=args.logical_replicas,
         )
     except ElasticError as error:
         print(f"tf-adasum launch: error: {error}", file=sys.stderr)

@@ -43,8 +43,10 @@ __all__ = [
     "adasum_tree",
     "mean",
     "sum_",
+    "block_sizes",
     "tree_reduce",
     "tree_shape",
+    "tree_with_blocks",
 ]
 
 
@@ -137,6 +139,87 @@ def tree_reduce(values: Sequence[np.ndarray], pair: PairFn) -> np.ndarray:
     while len(level) > 1:
         level = [pair(level[2 * i], level[2 * i + 1]) for i in range(len(level) // 2)]
     return level[0]
+
+
+def _leaves(node) -> list[int]:
+    return [node] if isinstance(node, int) else _leaves(node[0]) + _leaves(node[1])
+
+
+def _subtree(node, start: int, stop: int):
+    """The node of the tree `node` whose leaves are exactly ``start .. stop - 1`` (None: no such node)."""
+    if _leaves(node) == list(range(start, stop)):
+        return node
+    if isinstance(node, int):
+        return None
+    for child in node:
+        found = _subtree(child, start, stop)
+        if found is not None:
+            return found
+    return None
+
+
+def _nested(num_ranks: int):
+    """Adasum's tree over `num_ranks` as nested pairs of ranks, e.g. ((0, 1), 2) for 3."""
+    return tree_reduce(list(range(num_ranks)), lambda a, b: (a, b))
+
+
+def block_sizes(num_ranks: int) -> list[int]:
+    """Every block size b dividing `num_ranks` for which each run of b
+    consecutive ranks ``[p*b, (p+1)*b)`` is a whole subtree of Adasum's tree
+    over `num_ranks` (so the tree is the tree of those blocks' values: the
+    lower levels inside each block, the upper ones across blocks; see
+    `tree_with_blocks`). Every divisor when `num_ranks` is a power of two;
+    e.g. [1, 2, 6] for 6, whose tree is A(A(A(0, 1), A(2, 3)), A(4, 5))."""
+    nested = _nested(num_ranks)
+    return [b for b in range(1, num_ranks + 1) if _is_block_size(nested, num_ranks, b)]
+
+
+def _is_block_size(nested, num_ranks: int, size: int) -> bool:
+    if size == num_ranks:
+        return True
+    return num_ranks % size == 0 and all(_subtree(nested, p, p + size) is not None for p in range(0, num_ranks, size))
+
+
+def tree_with_blocks(
+    values: Sequence[np.ndarray], pair: PairFn, num_ranks: int, first: int, blocks: Callable | None = None
+) -> np.ndarray:
+    """`tree_reduce` over `num_ranks` ranks of which `values` are ranks
+    ``first .. first + b - 1`` (b = len(values), one of `block_sizes`):
+
+    * `blocks` None: returns their block's subtree value (every pair inside it, as `tree_reduce` pairs them);
+    * else ``blocks(value)`` must return every block's subtree value, in
+      rank order, given this one's (an all-gather across the processes holding
+      the blocks); returns the whole tree's value, the upper levels paired over
+      those block values as `tree_reduce` pairs them.
+
+    The same pairs with the same operands as `tree_reduce` over all
+    `num_ranks` values, so the same result, bit for bit, with a deterministic
+    `pair`, whatever b is.
+    """
+    size = len(values)
+    nested = _nested(num_ranks)
+    if not _is_block_size(nested, num_ranks, size) or first % size:
+        raise ValueError(
+            f"Ranks {first}..{first + size - 1} of {num_ranks} are not one block of the tree (block sizes: "
+            f"{block_sizes(num_ranks)}, starting at a multiple of the size)"
+        )
+    known: dict[tuple[int, int], np.ndarray] = {}
+
+    def evaluate(node, leaf):
+        leaves = _leaves(node)
+        span = (leaves[0], leaves[-1] + 1)
+        if span in known:
+            return known[span]
+        if isinstance(node, int):
+            return leaf(node)
+        return pair(evaluate(node[0], leaf), evaluate(node[1], leaf))
+
+    own = evaluate(_subtree(nested, first, first + size), lambda rank: values[rank - first])
+    if blocks is None or size == num_ranks:
+        return own
+    for p, value in enumerate(blocks(own)):
+        known[(p * size, (p + 1) * size)] = value
+    return evaluate(nested, None)
 
 
 def _per_tensor(per_rank: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray]]:

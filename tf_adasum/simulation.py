@@ -29,6 +29,11 @@ Where it differs from N real replicas:
 * Non-trainable state (e.g. BatchNormalization's moving statistics) is one
   copy that every replica's forward pass updates in turn, not N copies
   updated from the same start: a model with such state trains differently.
+* Random layers (dropout, random augmentation) draw per replica from a seed
+  of their own: at step t replica j's generators start from the state at
+  the first step plus ``[t, j * 2**32]`` (`tf_adasum.step.keras_step.seed_states`),
+  so a replica's draws depend on its number and the step, not on which
+  process computes it or in what order.
 * Every trainable variable needs a gradient (`AdasumOptimizer` skips one
   without, as Keras does).
 
@@ -43,6 +48,22 @@ Memory: per replica one copy of the inner optimizer's state (and with K > 1
 of the weights, or in gradient mode of the gradients); time: about N times one
 replica's step at batch b, plus the tree.
 
+**Logical replicas: one job, any number of processes.** Under ``mpirun``
+(``backend="auto"`` or ``"mpi"``) the N replicas are spread over the M ranks:
+rank p holds the N / M contiguous replicas ``p*N/M .. (p+1)*N/M - 1`` and
+reads their rows of every global batch (each process reads the whole global
+batch and keeps its rows: give every process the same input pipeline), the
+tree's lower levels run inside each rank and the upper ones across ranks
+(`tf_adasum.engines.simulated`). A step's result does not depend on M, bit
+for bit: N stays the job's replica count, M where it runs (M must divide N so
+that each rank's replicas form a subtree of the tree; every divisor when N is
+a power of two). Rank 0's weights and optimizer state are broadcast when
+`compile` builds the optimizer; the model's metrics are each rank's own
+replicas'. A backup (`tf_adasum.BackupAndRestore`) holds every replica's
+optimizer state by its replica number, so a job resumes exactly on another M
+(`tf-adasum launch --mpirun` with elastic options restarts it on the ranks
+alive).
+
 Example:
   >>> trainer = SimulatedReplicas(make_model(), num_replicas=256)
   >>> trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
@@ -53,18 +74,25 @@ Example:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
+from tf_adasum.engines import select
+from tf_adasum.engines.mpi import MPIEngine
 from tf_adasum.engines.simulated import CPU, SimulatedEngine, components, per_replica
+from tf_adasum.launcher.elastic import REPLICAS_VARIABLE
 from tf_adasum.step import keras_step
 from tf_adasum.step import settings as settings_lib
 from tf_adasum.step.combine import combine, combine_state
 
-__all__ = ["SimulatedReplicas"]
+__all__ = ["BACKENDS", "SimulatedReplicas"]
+
+#: Where `SimulatedReplicas` runs its replicas (see its ``backend`` argument).
+BACKENDS = ("auto", "local", "mpi")
 
 
 class SimulatedReplicas(keras.Model):
@@ -80,6 +108,10 @@ class SimulatedReplicas(keras.Model):
       mode: ``"delta"`` or ``"gradient"``, as for `tf_adasum.AdasumOptimizer`.
       backward_passes_per_step: K >= 1 local steps (delta) or averaged
         gradients (gradient mode) per combine.
+      backend: where the replicas run: ``"local"``, all in this process;
+        ``"mpi"``, spread over the ranks of an MPI job (see the module);
+        ``"auto"`` (default), ``"mpi"`` when an MPI launcher started this
+        process with several ranks, else ``"local"``.
       name: the wrapper's name.
 
     The inner optimizer must not be built yet (its state is copied per
@@ -93,6 +125,7 @@ class SimulatedReplicas(keras.Model):
         combiner: str | combiners_lib.Combiner = "adasum",
         mode: str = "delta",
         backward_passes_per_step: int = 1,
+        backend: str = "auto",
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -107,8 +140,20 @@ class SimulatedReplicas(keras.Model):
         self._settings = settings_lib.StepSettings.create(
             combiner=combiner, mode=mode, backward_passes_per_step=backward_passes_per_step
         )
+        if backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {BACKENDS}. Received: backend={backend!r}")
+        if backend == "auto":
+            backend = "mpi" if select.launched_by_mpi() else "local"
+        announced = os.environ.get(REPLICAS_VARIABLE, "")
+        if announced and announced != str(num_replicas):
+            raise ValueError(
+                f"The launcher runs this job with {REPLICAS_VARIABLE}={announced} (tf-adasum launch "
+                f"--logical-replicas), and this model has num_replicas={num_replicas}: give both the same count."
+            )
+        self.backend = backend
         self.model = model
-        self.engine = SimulatedEngine(num_replicas)
+        processes = MPIEngine(select.mpi_world()) if backend == "mpi" else None
+        self.engine = SimulatedEngine(num_replicas, processes=processes)
         self.num_replicas = num_replicas
         self._state = None
         self.built = True
@@ -146,7 +191,36 @@ class SimulatedReplicas(keras.Model):
         inner.build(self.model.trainable_variables)
         # Per replica: what build() made (moments, ...) and the step count; the learning rate stays shared.
         own = [v for v in inner.variables if id(v) not in before] + [inner.iterations]
+        self.engine.check_same_variables(self.model.trainable_variables)
+        self.engine.broadcast_initial(self.model.variables, inner.variables)  # process 0's (over processes)
         self._state = _ReplicaState(self, [keras_step.tf_variable(v) for v in own])
+
+    @property
+    def replica_variables(self) -> list[tf.Variable]:
+        """Delta mode: each variable of the inner optimizer's own state (what
+        its build made, then ``iterations``) stacked over this process's
+        replicas, ``[n, ...]`` in replica order from ``engine.first_replica``
+        (what `tf_adasum.BackupAndRestore` saves per replica). Empty in
+        gradient mode, where every replica shares the inner optimizer's."""
+        if self._state is None:
+            raise RuntimeError("SimulatedReplicas: call compile() before reading its replicas' state.")
+        return list(self._state.own_stacks)
+
+    def replica_copies(self, variable) -> list:
+        """This process's replicas' copies of one of the inner optimizer's
+        variables, in replica order, for `tf_adasum.BackupAndRestore`: rows
+        of its stack where each replica has its own (delta mode), else the
+        variable itself, shared. A copy has ``numpy()``, ``shape``,
+        ``dtype`` and ``assign``; assigning the first replica's also sets the
+        inner optimizer's variable, which holds that replica's state."""
+        state = self._state
+        if state is None:
+            raise RuntimeError("SimulatedReplicas: call compile() before reading its replicas' state.")
+        value = keras_step.tf_variable(variable)
+        for own, stack in zip(state.own, state.own_stacks):
+            if own is value:
+                return [_Row(stack, i, own if i == 0 else None) for i in range(self.engine.local_replicas)]
+        return [value] * self.engine.local_replicas
 
     def train_step(self, data: Any) -> dict:
         if self._state is None:
@@ -157,7 +231,8 @@ class SimulatedReplicas(keras.Model):
         return self.get_metrics_result()
 
     def _shards(self, t):
-        """``[N, b, ...]``: the rows of each replica, in order (None stays None)."""
+        """``[n, b, ...]``: the rows of each of this process's n replicas, in
+        order (all N in one process; None stays None)."""
         if t is None:
             return None
         t = tf.convert_to_tensor(t)
@@ -173,7 +248,26 @@ class SimulatedReplicas(keras.Model):
             message=f"SimulatedReplicas: each batch must be a multiple of num_replicas={n} rows",
         )
         with tf.control_dependencies([check]):
-            return tf.reshape(t, tf.concat([[n, -1], tf.shape(t)[1:]], axis=0))
+            rows = tf.reshape(t, tf.concat([[n, -1], tf.shape(t)[1:]], axis=0))
+        engine = self.engine
+        return rows[engine.first_replica : engine.first_replica + engine.local_replicas]
+
+
+class _Row:
+    """Row `index` of a replica stack, as `tf_adasum.resume.replica_states` reads
+    and assigns a replica's copy of a variable (also to `mirror`, if any)."""
+
+    def __init__(self, stack: tf.Variable, index: int, mirror: tf.Variable | None):
+        self.stack, self.index, self.mirror = stack, index, mirror
+        self.shape, self.dtype, self.name = stack.shape[1:], stack.dtype, f"{stack.name}[{index}]"
+
+    def numpy(self):
+        return self.stack[self.index].numpy()
+
+    def assign(self, value) -> None:
+        self.stack[self.index].assign(value)
+        if self.mirror is not None:
+            self.mirror.assign(value)
 
 
 class _ReplicaState:
@@ -185,7 +279,8 @@ class _ReplicaState:
         self.keras_variables = list(trainer.model.trainable_variables)
         self.variables = [keras_step.tf_variable(v) for v in self.keras_variables]
         self.own = own
-        n, k, delta = trainer.num_replicas, trainer.backward_passes_per_step, trainer.mode == "delta"
+        self.engine = trainer.engine
+        n, k, delta = trainer.engine.local_replicas, trainer.backward_passes_per_step, trainer.mode == "delta"
 
         def stacked(variables, name, zeros=False):
             values = [tf.zeros([n, *v.shape], v.dtype) if zeros else tf.stack([v] * n) for v in variables]
@@ -202,7 +297,8 @@ class _ReplicaState:
             self.accumulators = stacked(self.variables, "replica_gradients", zeros=True) if not delta and k > 1 else []
             self.count = tf.Variable(0, dtype=tf.int64, trainable=False, name="local_steps")
             make = lambda name, shape, dtype: tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name)  # noqa: E731
-            self.adacons = combine_state(trainer._settings, make, len(self.variables), n)
+            self.adacons = combine_state(trainer._settings, make, len(self.variables), trainer.num_replicas)
+        self.seeds = keras_step.seed_states(trainer.model)
 
     # -- one replica's part ------------------------------------------------------------
 
@@ -251,19 +347,28 @@ class _ReplicaState:
     # -- the step -----------------------------------------------------------------------
 
     def _over_replicas(self, body, outputs_like):
-        """Runs ``body(i) -> (tensors, finite)`` for i = 0..N-1 in a loop;
-        returns each output stacked ``[N, ...]`` and whether all were finite."""
-        n = self.trainer.num_replicas
+        """Runs ``body(i) -> (tensors, finite)`` for this process's replicas
+        i = 0..n-1 in a loop, each with its own seeds (see the module); returns
+        each output stacked ``[n, ...]`` and whether all were finite on every
+        process."""
+        n = self.engine.local_replicas
         arrays = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape) for t in outputs_like]
+        bases = [tf.identity(state) for state in self.seeds]
 
         def step(i, finite, arrays):
+            replica = tf.cast(self.engine.first_replica + i, tf.int64)
+            for state, base in zip(self.seeds, bases):
+                state.assign(base + tf.stack([tf.constant(0, tf.int64), replica * 2**32]))
             values, ok = body(i)
             return i + 1, tf.logical_and(finite, ok), [a.write(i, v) for a, v in zip(arrays, values)]
 
         _, finite, arrays = tf.while_loop(
             lambda i, *_: i < n, step, (tf.constant(0), tf.constant(True), arrays), parallel_iterations=1
         )
-        return [a.stack() for a in arrays], finite
+        with tf.control_dependencies([finite]):
+            for state, base in zip(self.seeds, bases):
+                state.assign(base + tf.constant([1, 0], tf.int64))
+        return [a.stack() for a in arrays], self.engine.all_processes(finite)
 
     def step(self, shards):
         """One training step of every replica (every K-th also combines)."""
@@ -332,6 +437,7 @@ class _ReplicaState:
         step; if it holds another now, it was restored (or set) from outside,
         and every replica starts from it, in a fresh cycle of K local steps."""
         unchanged = tf.reduce_all([tf.reduce_all(tf.equal(v, s[0])) for v, s in zip(self.own, self.own_stacks)])
+        unchanged = self.engine.all_processes(unchanged)  # every process counts its cycle alike
 
         def adopt():
             for variable, stack in zip(self.own, self.own_stacks):
@@ -345,7 +451,7 @@ class _ReplicaState:
         """The combine of per-replica ``[N, ...]`` values; one copy of the result."""
         values = [per_replica(tf.unstack(s)) for s in stacked]
         rows = list(range(len(stacked)))
-        combined = combine(self.trainer.engine, values, self.trainer._settings, self.adacons, rows)
+        combined = combine(self.engine, values, self.trainer._settings, self.adacons, rows)
         return [components(c)[0] for c in combined]
 
     def _combine_deltas(self, weights, start):

@@ -59,6 +59,15 @@ def state(model):
     return [w.numpy() for w in model.weights] + copies
 
 
+def write_slots(out, count):
+    """``OUTDIR/slots`` (what the test's discovery command prints) replaced by
+    `count`, atomically: the discovery never reads it half-written."""
+    temporary = os.path.join(out, "slots.tmp")
+    with open(temporary, "w") as f:
+        f.write(f"{count}\n")
+    os.replace(temporary, os.path.join(out, "slots"))
+
+
 class Plan(keras.callbacks.Callback):
     def __init__(self, plan, round_number, rank, out, restoring):
         super().__init__()
@@ -81,10 +90,7 @@ class Plan(keras.callbacks.Callback):
             time.sleep(SLEEP_SECONDS)  # the launcher asks the discovery every second
         for round_number, trained, count in self.plan.get("slots", ()):
             if self.rank == 0 and [round_number, trained] == [self.round, self.trained]:
-                temporary = os.path.join(self.out, "slots.tmp")
-                with open(temporary, "w") as f:
-                    f.write(f"{count}\n")
-                os.replace(temporary, os.path.join(self.out, "slots"))  # the discovery never reads it half-written
+                write_slots(self.out, count)
 
 
 class Restored(keras.callbacks.Callback):

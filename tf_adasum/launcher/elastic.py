@@ -20,6 +20,13 @@ The training script resumes from its backup at each round's start: that is
 what makes the rounds one run. Each worker finds its round in
 ``TF_ADASUM_ELASTIC_ROUND`` (0, 1, ...).
 
+Logical replicas (``--logical-replicas L``, for `tf_adasum.SimulatedReplicas`
+with ``num_replicas=L`` under ``--mpirun``): a round runs on the largest
+count that holds L (`holding_counts`: each rank's L / M replicas a subtree of
+Adasum's tree; every divisor of L when L is a power of two), the other
+available workers spare: 3 available for L = 8 run 2. The workers find L in
+``TF_ADASUM_LOGICAL_REPLICAS``, and `SimulatedReplicas` refuses another.
+
 The discovery command (``--discover "CMD"``, run by the shell) prints the
 number of workers that can run now, one integer; without it, ``-n`` are
 always available. Below the minimum, the launcher asks again every second
@@ -46,11 +53,36 @@ from . import helper  # the package beside it, whether tf_adasum.launcher or, ru
 
 #: The variable that tells each worker its round.
 ROUND_VARIABLE = "TF_ADASUM_ELASTIC_ROUND"
+#: The variable that tells each worker the job's logical replicas (``--logical-replicas``).
+REPLICAS_VARIABLE = "TF_ADASUM_LOGICAL_REPLICAS"
 #: Seconds a discovery command may run.
 DISCOVERY_TIMEOUT_SECONDS = 30.0
 #: Seconds between two discoveries while waiting for the minimum.
 WAIT_POLL_SECONDS = 1.0
 _COUNT = re.compile(r"\s*(\d{1,6})\s*")
+
+
+def holding_counts(replicas: int) -> list[int]:
+    """The process counts M that can hold `replicas` logical replicas: M
+    divides them and each process's contiguous block of replicas / M is a
+    subtree of Adasum's tree (`tf_adasum.reference.block_sizes`, here
+    without numpy). The tree: with 2^p the largest power of two not above L
+    and r = L - 2^p, leaf v is ranks 2v and 2v + 1 for v < r, else rank
+    v + r; its subtrees are runs of 2^k leaves starting at multiples of 2^k,
+    and single ranks."""
+    leaves = 1 << (replicas.bit_length() - 1)
+    folded = replicas - leaves
+
+    def first_rank(leaf: int) -> int:
+        return replicas if leaf == leaves else 2 * leaf if leaf < folded else leaf + folded
+
+    spans = {(rank, rank + 1) for rank in range(replicas)}
+    width = 1
+    while width <= leaves:
+        spans.update((first_rank(u), first_rank(u + width)) for u in range(0, leaves, width))
+        width *= 2
+    counts = [m for m in range(1, replicas + 1) if replicas % m == 0]
+    return [m for m in counts if all((p * replicas // m, (p + 1) * replicas // m) in spans for p in range(m))]
 
 
 class ElasticError(RuntimeError):
@@ -65,6 +97,7 @@ class Elastic(NamedTuple):
     max_restarts: int = 0
     discover: str | None = None
     wait_seconds: float = 60.0
+    replicas: int | None = None
 
     def check(self) -> Elastic:
         """Itself, or a `TypeError` or `ValueError` naming the argument and the value received."""
@@ -87,7 +120,23 @@ class Elastic(NamedTuple):
             raise TypeError(f"`wait_seconds` must be a number. Received: wait_seconds={self.wait_seconds!r}")
         if not self.wait_seconds >= 0:
             raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
+        if self.replicas is not None:
+            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+                raise ValueError(f"`replicas` must be an int >= 1. Received: replicas={self.replicas!r}")
+            if self.max_workers not in holding_counts(self.replicas):
+                raise ValueError(
+                    f"`max_workers` must be a count that can hold replicas={self.replicas} (each worker a "
+                    f"subtree of the tree): one of {holding_counts(self.replicas)}. Received: "
+                    f"max_workers={self.max_workers}"
+                )
         return self
+
+    def usable(self, count: int) -> int:
+        """Of `count` workers available, how many a round runs: the largest
+        that holds `replicas` (the rest spare), or `count` without them."""
+        if self.replicas is None:
+            return count
+        return max([m for m in holding_counts(self.replicas) if m <= count], default=0)
 
     def is_elastic(self) -> bool:
         """Whether these settings ask for rounds (else: one launch, as without them)."""
@@ -133,7 +182,7 @@ class Elastic(NamedTuple):
         after `wait_seconds` below it."""
         deadline = time.monotonic() + self.wait_seconds
         while True:
-            count = self.available()
+            count = self.usable(self.available())
             if count >= self.min_workers:
                 return count
             if time.monotonic() >= deadline:
@@ -151,19 +200,27 @@ OPTIONS = {
     "max_restarts": "--max-restarts",
     "discover": "--discover",
     "wait_seconds": "--wait",
+    "replicas": "--logical-replicas",
     "hosts": "--hosts",
     "mpirun": "--mpirun",
 }
 
 
-def settings(num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False) -> Elastic:
+def settings(
+    num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False, replicas=None
+) -> Elastic:
     """`launch`'s elastic arguments, checked (a `TypeError` or `ValueError` naming the argument)."""
     elastic = Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
-    elastic = elastic._replace(discover=discover, wait_seconds=wait_seconds).check()
+    elastic = elastic._replace(discover=discover, wait_seconds=wait_seconds, replicas=replicas).check()
     if elastic.min_workers < num_workers and discover is None:
         raise ValueError(
             "`min_workers` below the workers asked for needs `discover` (without it every worker is always "
             f"available). Received: min_workers={elastic.min_workers}, discover=None"
+        )
+    if replicas is not None and not mpirun:
+        raise ValueError(
+            "`replicas` (logical replicas, tf_adasum.SimulatedReplicas) run as MPI ranks: add `mpirun`. "
+            f"Received: replicas={replicas}, mpirun=False"
         )
     if elastic.is_elastic() and hosts is not None and (mpirun or elastic.min_workers < hosts):
         raise ValueError(
@@ -207,6 +264,13 @@ def add_options(parser) -> None:
         metavar="S",
         help="elastic: seconds to wait for --min-workers before failing (default 60)",
     )
+    parser.add_argument(
+        "--logical-replicas",
+        type=int,
+        metavar="L",
+        help="the job's replica count (tf_adasum.SimulatedReplicas, --mpirun): each round runs the largest "
+        "count of workers that holds L, the others spare",
+    )
 
 
 def say(message: str) -> None:
@@ -229,7 +293,7 @@ def run(elastic: Elastic, start_round: Callable[[int, int, Callable[[], bool]], 
         changed: list[int] = []
 
         def resize(workers: int = workers, changed: list[int] = changed) -> bool:
-            count = elastic.available()
+            count = elastic.usable(elastic.available())
             if count != workers and count >= elastic.min_workers:
                 changed.append(count)
                 return True

@@ -11,7 +11,9 @@ Replicas are numbered over the whole job: the process of index p
 (`tf_adasum.processes`) holds the replicas ``first .. first + k - 1``, where
 ``first`` is the number of replicas of the processes before it and k its own
 (a worker's devices in the strategy's order; one rank under mpirun, one
-replica without a strategy).
+replica without a strategy; a `tf_adasum.SimulatedReplicas` its logical
+replicas, whose copies its ``replica_copies`` gives in place of
+`local_copies`).
 
 **The rule at restore.** With N replicas saved and M now, replica j takes
 saved replica ``j mod N``'s value of each variable it is given (whose saved
@@ -32,7 +34,7 @@ import tensorflow as tf
 
 from tf_adasum.step import keras_step
 
-__all__ = ["key", "local_copies", "read", "restore", "saved_replica"]
+__all__ = ["key", "local_copies", "read", "read_seeds", "restore", "restore_seeds", "saved_replica"]
 
 
 def local_copies(variable) -> list:
@@ -49,15 +51,31 @@ def key(replica: int, position: int) -> str:
     return f"replica{replica}/variable{position}"
 
 
-def read(variables: Sequence, first: int) -> dict[str, np.ndarray]:
+def read(variables: Sequence, first: int, copies: Callable = local_copies) -> dict[str, np.ndarray]:
     """Every local replica's value of each of `variables`, named by `key`
-    (the replicas numbered from `first`). Reads each copy on its own device:
-    no communication."""
+    (the replicas numbered from `first`; ``copies(variable)``: its local
+    replicas' copies). Reads each copy on its own device: no communication."""
     values = {}
     for position, variable in enumerate(variables):
-        for offset, copy in enumerate(local_copies(variable)):
+        for offset, copy in enumerate(copies(variable)):
             values[key(first + offset, position)] = copy.numpy()
     return values
+
+
+def read_seeds(model) -> dict[str, np.ndarray]:
+    """The states of the model's random-number generators (dropout, random
+    augmentation; `tf_adasum.step.keras_step.seed_states`), named ``seed/i``:
+    `model.save_weights` leaves them out, and without them a resumed run
+    would draw other dropout masks than an uninterrupted one."""
+    return {f"seed/{i}": state.numpy() for i, state in enumerate(keras_step.seed_states(model))}
+
+
+def restore_seeds(model, saved: Mapping[str, np.ndarray]) -> None:
+    """Assigns each generator state its value in `saved` (`read_seeds`'s
+    names; a backup without them leaves the generators as they are)."""
+    for i, state in enumerate(keras_step.seed_states(model)):
+        if f"seed/{i}" in saved and tuple(saved[f"seed/{i}"].shape) == tuple(state.shape):
+            state.assign(saved[f"seed/{i}"])
 
 
 def saved_replica(replica: int, saved_replicas: int) -> int:
@@ -70,15 +88,17 @@ def restore(
     first: int,
     saved_replicas: int,
     load: Callable[[int], Mapping[str, np.ndarray]],
+    copies: Callable = local_copies,
 ) -> list[str]:
     """Assigns each local replica's copy of each variable of `pairs`
     ((position in `read`'s list, variable)) its saved replica's value (the
     rule above). `load(r)` returns the saved values holding replica r
     (`read`'s names). Returns the paths of the variables left as they were
-    (their shape changed with the replica count). No communication."""
+    (their shape changed with the replica count). ``copies`` as for `read`.
+    No communication."""
     kept = set()
     for position, variable in pairs:
-        for offset, copy in enumerate(local_copies(variable)):
+        for offset, copy in enumerate(copies(variable)):
             source = saved_replica(first + offset, saved_replicas)
             value = load(source)[key(source, position)]
             if tuple(value.shape) != tuple(copy.shape):

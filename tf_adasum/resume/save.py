@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
@@ -43,6 +44,7 @@ class Job:
     first_replica: int  # the job-wide number of this process's first replica
     local_replicas: int
     steps: int  # the epoch's batches (0: unknown)
+    copies: Callable = replica_states.local_copies  # a variable's copies of this process's replicas
 
 
 def save(job: Job, position: Position, model: keras.Model, variables: list, save_communicates: bool) -> None:
@@ -52,7 +54,7 @@ def save(job: Job, position: Position, model: keras.Model, variables: list, save
     error = None
     try:
         os.makedirs(job.backup_dir, exist_ok=True)
-        values = replica_states.read(variables, job.first_replica)
+        values = {**replica_states.read(variables, job.first_replica, job.copies), **replica_states.read_seeds(model)}
         folder.commit(job.backup_dir, folder.shard_name(position, i), lambda path: folder.write_arrays(path, values))
     except Exception as e:  # noqa: BLE001 - raised below, once every process knows
         error = e

@@ -8,7 +8,9 @@ each replica with its own gradients: clipping (``_clip_gradients``), weight
 decay (``_use_weight_decay``), the per-variable ``update_step``, the
 ``iterations`` count, constraints, and the EMA of the combined weights
 (``_model_variables_moving_average``, ``_overwrite_model_variables_with_average_value``);
-and the epoch a resumed `fit` starts from (``Model._initial_epoch``).
+the epoch a resumed `fit` starts from (``Model._initial_epoch``); and the
+model's random-number generators (``Layer._seed_generators`` over
+``Model._flatten_layers``).
 Every private name used is checked once (`check_keras_internals`), so a Keras
 release that renames one fails loudly at construction, never silently.
 """
@@ -25,6 +27,7 @@ __all__ = [
     "check_keras_internals",
     "has_initial_epoch",
     "local_update",
+    "seed_states",
     "set_initial_epoch",
     "tf_variable",
     "update_ema",
@@ -98,6 +101,24 @@ def update_ema(optimizer: keras.optimizers.Optimizer, variables: Sequence, first
             return tf.constant(True)
 
         tf.cond(overwrite, do_overwrite, lambda: tf.constant(False))
+
+
+def seed_states(model: keras.Model) -> list[tf.Variable]:
+    """The state variables (int64 ``[2]``) of every `keras.random.SeedGenerator`
+    the model's layers hold (dropout, random augmentation), once each, in
+    layer order. A generator's next seed is its state, which it then advances
+    by ``[0, 1]``. Raises if this Keras lacks the private names it reads."""
+    if not hasattr(model, "_flatten_layers"):
+        raise RuntimeError(f"This Keras ({keras.__version__}) has no Model._flatten_layers; tf_adasum needs it.")
+    states, seen = [], set()
+    for layer in model._flatten_layers(include_self=True):
+        if not hasattr(layer, "_seed_generators"):
+            raise RuntimeError(f"This Keras ({keras.__version__}) has no Layer._seed_generators; tf_adasum needs it.")
+        for generator in layer._seed_generators:
+            if id(generator.state) not in seen:
+                seen.add(id(generator.state))
+                states.append(tf_variable(generator.state))
+    return states
 
 
 def has_initial_epoch(model: keras.Model) -> bool:

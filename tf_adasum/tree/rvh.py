@@ -39,7 +39,7 @@ from typing import Protocol
 import tensorflow as tf
 
 from tf_adasum.ops import Segments
-from tf_adasum.reference import tree_reduce, tree_shape
+from tf_adasum.reference import tree_shape, tree_with_blocks
 from tf_adasum.tree.buckets import Bucket
 
 __all__ = [
@@ -367,7 +367,14 @@ def allreduce(
     return flats
 
 
-def reduce_on_one_device(flats: Sequence[tf.Tensor], bucket: Bucket, rule: PairRule) -> tf.Tensor:
+def reduce_on_one_device(
+    flats: Sequence[tf.Tensor],
+    bucket: Bucket,
+    rule: PairRule,
+    num_ranks: int | None = None,
+    first: int = 0,
+    gather: Callable[[tf.Tensor], tf.Tensor] | None = None,
+) -> tf.Tensor:
     """The tree of `allreduce` over N buffers that all live on one device, one
     pair at a time over whole buffers: nothing travels, so nothing is halved,
     and the graph holds the tree's N - 1 pair combines instead of every rank's
@@ -376,8 +383,17 @@ def reduce_on_one_device(flats: Sequence[tf.Tensor], bucket: Bucket, rule: PairR
     as `allreduce`. Precision: a pair's float64 partial sums are accumulated
     over the whole buffer at once rather than slice by slice and then summed,
     so its coefficients may differ from `allreduce`'s in the last bits of a
-    float64, and a result, rarely, in the last bit of its dtype."""
-    size = len(flats)
+    float64, and a result, rarely, in the last bit of its dtype.
+
+    Spread over processes: `flats` may be one block of the tree's `num_ranks`
+    buffers, ranks ``first .. first + b - 1`` (b one of
+    `tf_adasum.reference.block_sizes`); then this device computes the block's
+    subtree and ``gather(value)`` (``[num_ranks / b, padded_length]``: every
+    block's value in rank order, the same on every process) brings the others'
+    for the levels above, which every process computes alike. The pairs and
+    their operands do not depend on b, so neither does the result, bit for bit
+    (`tf_adasum.reference.tree_with_blocks`)."""
+    size = num_ranks or len(flats)
     whole = bucket.segments(0, bucket.padded_length)
 
     def pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -387,4 +403,6 @@ def reduce_on_one_device(flats: Sequence[tf.Tensor], bucket: Bucket, rule: PairR
         # the elements of an 8-leaf float32 tree differed in the last bit).
         return tf.ensure_shape(rule.combine(a, b, whole, rule.partials(a, b, whole)), a.shape)
 
-    return tree_reduce([rule.prepare(flat, size) for flat in flats], pair)
+    blocks = None if gather is None else (lambda value: tf.unstack(gather(value)))  # noqa: E731
+    prepared = [rule.prepare(flat, size) for flat in flats]
+    return tree_with_blocks(prepared, pair, size, first, blocks)

@@ -1,0 +1,172 @@
+"""Logical replicas (issue 40): a job of L = 8 replicas
+(`tf_adasum.SimulatedReplicas`) gives the same model on any number of MPI
+ranks that holds them, bit for bit, and an elastic run of it
+(``tf-adasum launch --mpirun --logical-replicas 8``) through resizes,
+spares and a SIGKILL ends with the model of an uninterrupted run. The
+workers are `tests/workers/logical_worker.py`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from multiprocess import TESTS, worker_env
+
+import tf_adasum
+from tf_adasum import launch, reference
+from tf_adasum.engines.simulated import SimulatedEngine
+from tf_adasum.launcher.elastic import REPLICAS_VARIABLE, holding_counts
+from tf_adasum.launcher.mpirun import mpirun_command
+
+WORKER = os.path.join(TESTS, "workers", "logical_worker.py")
+sys.path.insert(0, os.path.join(TESTS, "workers"))
+from elastic_worker import EPOCHS, STEPS  # noqa: E402
+
+
+def _states(folder, prefix="rank"):
+    """Every process's file merged; each key's value checked equal wherever two processes hold it."""
+    merged = {}
+    for path in sorted(folder.glob(f"{prefix}*.npz")):
+        with np.load(path) as values:
+            for key in values.files:
+                if key in merged:
+                    assert merged[key].tobytes() == values[key].tobytes(), (path, key)
+                merged[key] = values[key]
+    return merged
+
+
+def _run(processes, out, combiner="adasum", mode="delta"):
+    out.mkdir()
+    command = [sys.executable, WORKER, str(out), combiner, mode]
+    if processes > 1:
+        command = mpirun_command(processes) + command
+    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return _states(out)
+
+
+def _assert_same(actual, expected, what):
+    assert sorted(actual) == sorted(expected), what
+    differing = [key for key in expected if actual[key].tobytes() != expected[key].tobytes()]
+    assert not differing, (what, differing)
+
+
+@pytest.mark.mpi
+def test_a_job_of_8_replicas_gives_the_same_model_on_1_2_4_and_8_processes(tmp_path):
+    """Weights and every replica's Adam state after 24 steps (delta mode),
+    bitwise, whatever the process count; the ranks started from weights of
+    their own (the broadcast made rank 0's the start)."""
+    one = _run(1, tmp_path / "one")
+    assert len([key for key in one if key.startswith("replica")]) == 8 * 9  # two moments of 4 variables, iterations
+    for processes in (2, 4, 8):
+        _assert_same(_run(processes, tmp_path / f"p{processes}"), one, f"{processes} processes")
+        held = [json.loads((tmp_path / f"p{processes}" / f"rank{r}.json").read_text()) for r in range(processes)]
+        assert held == [{"first": r * 8 // processes, "count": 8 // processes} for r in range(processes)]
+
+
+@pytest.mark.mpi
+def test_adacons_in_gradient_mode_gives_the_same_model_on_2_processes(tmp_path):
+    """AdaCons' gathers and sums over the processes: the same bits as in one."""
+    _assert_same(_run(2, tmp_path / "two", "adacons", "gradient"), _run(1, tmp_path / "one", "adacons", "gradient"), "")
+
+
+@pytest.mark.mpi
+def test_an_elastic_run_through_resizes_spares_and_a_kill_ends_with_the_uninterrupted_model(tmp_path):
+    """4 ranks; the discovery says 3 (2 of them hold 8 replicas, one spare):
+    a resize to 2 (SIGUSR1, which mpirun forwards: every rank backs up and
+    exits); then rank 1 leaves 4 behind and is SIGKILLed: the round fails and
+    the next runs on 4. The last round's model and every replica's optimizer
+    state are the uninterrupted run's, bitwise, and the step counter is
+    epochs x steps."""
+    expected = _run(1, tmp_path / "reference")
+    out = tmp_path / "elastic"
+    out.mkdir()
+    (out / "slots").write_text("4\n")
+    plan = {"slots": [[0, 2, 3]], "kill_leaving": [1, 1, 2 * STEPS + 1, 4]}
+    (out / "plan.json").write_text(json.dumps(plan))
+    arguments = ["-n", "4", "--mpirun", "--logical-replicas", "8", "--min-workers", "2", "--max-restarts", "1"]
+    arguments += ["--discover", f"cat {out / 'slots'}", WORKER, str(out), "adasum", "delta", str(out / "plan.json")]
+    result = subprocess.run(
+        [sys.executable, launch.__file__, *arguments], env=worker_env(), capture_output=True, text=True, timeout=900
+    )
+    output = result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0, output
+    rounds = []
+    while (out / f"restored{len(rounds)}_rank0.json").exists():
+        rounds.append(json.loads((out / f"restored{len(rounds)}_rank0.json").read_text()))
+    assert [r["workers"] for r in rounds] == [4, 2, 4], (rounds, output)
+    assert "resize to 2 workers" in result.stderr and "restart 1 of 1" in result.stderr, output
+    _assert_same(_states(out, "final_rank"), expected, "the elastic run")
+    assert json.loads((out / "final_rank0.json").read_text()) == {"iterations": EPOCHS * STEPS, "round": 2}
+
+
+def test_the_launchers_counts_are_the_trees_blocks():
+    """The launcher's rule (no numpy) against the reference's, and what it means."""
+    for replicas in range(1, 70):
+        assert holding_counts(replicas) == sorted(replicas // b for b in reference.block_sizes(replicas)), replicas
+    assert holding_counts(8) == [1, 2, 4, 8] and holding_counts(6) == [1, 3, 6] and holding_counts(12) == [1, 3, 6, 12]
+
+
+def test_the_tree_over_blocks_is_the_tree_bit_for_bit():
+    rng = np.random.default_rng(3)
+    for replicas in (6, 8, 12):
+        values = [rng.normal(size=7).astype(np.float32) for _ in range(replicas)]
+        whole = reference.tree_reduce(values, reference.adasum_pair)
+        for size in reference.block_sizes(replicas):
+            firsts = range(0, replicas, size)
+            pair = reference.adasum_pair
+            blocks = [reference.tree_with_blocks(values[p : p + size], pair, replicas, p) for p in firsts]
+            for p in firsts:
+                top = reference.tree_with_blocks(values[p : p + size], pair, replicas, p, lambda v, b=blocks: b)
+                assert top.tobytes() == whole.tobytes(), (replicas, size, p)
+    with pytest.raises(ValueError, match=r"Ranks 0..2 of 6 are not one block of the tree \(block sizes: \[1, 2, 6\]"):
+        reference.tree_with_blocks(values[:3], reference.adasum_pair, 6, 0)
+
+
+class _Ranks:
+    """Stands in for an engine of one replica per process (only what the check reads)."""
+
+    local_replicas = 1
+
+    def __init__(self, count):
+        self.num_replicas = count
+
+    def replica_id(self):
+        return 0
+
+
+def test_processes_that_cannot_hold_the_replicas_are_one_error():
+    with pytest.raises(ValueError, match=r"3 processes cannot hold num_replicas=8 .* can are \[1, 2, 4, 8\]"):
+        SimulatedEngine(8, processes=_Ranks(3))
+    with pytest.raises(ValueError, match=r"2 processes cannot hold num_replicas=6 .* can are \[1, 3, 6\]"):
+        SimulatedEngine(6, processes=_Ranks(2))
+    assert SimulatedEngine(6, processes=_Ranks(3)).local_replicas == 2
+
+
+def test_the_launchers_replica_count_must_be_the_models(monkeypatch):
+    monkeypatch.setenv(REPLICAS_VARIABLE, "8")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"TF_ADASUM_LOGICAL_REPLICAS=8 .* num_replicas=4"):
+        tf_adasum.SimulatedReplicas(model, 4)
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'local', 'mpi'\). Received: backend='tf"):
+        tf_adasum.SimulatedReplicas(model, 8, backend="tf")
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["-n", "3", "--mpirun", "--logical-replicas", "8"], "-n must be a count that can hold --logical-replicas 8"),
+        (["-n", "2", "--logical-replicas", "8"], "--logical-replicas 8, --mpirun False"),
+        (["-n", "2", "--mpirun", "--logical-replicas", "0"], "--logical-replicas must be an int >= 1. Received:"),
+    ],
+)
+def test_bad_logical_replica_arguments_are_one_error(tmp_path, arguments, message):
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'started')!r}, 'w')\n")
+    command = [sys.executable, launch.__file__, *arguments, str(script)]
+    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "started").exists()
