@@ -436,7 +436,7 @@ def test_sigterm_to_one_process_backs_up_every_process(tmp_path):
     that batch (8 of 12 held: none lost) and exits with 143; the relaunch
     resumes at epoch 2 batch 2 and ends on the uninterrupted run's weights
     and each worker's own optimizer state, with 12 steps counted. (Under
-    mpirun, tests/test_elastic.py's resize sends the same notice, SIGUSR1.)"""
+    mpirun, the resize of tests/test_logical_replicas.py sends the same notice, SIGUSR1.)"""
     env = worker_env()
     command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
     outputs = []

@@ -53,6 +53,7 @@ LAYERS = {
     "resume.save": 7.5,  # one backup by every process together (over resume.folder and resume.replica_states)
     "resume.replica_states": 7.25,  # each replica's copies of the optimizer's variables (over step.keras_step)
     "step.combine": 7.5,  # over step.adacons and step.settings
+    "step.replica_loop": 7.75,  # SimulatedReplicas' replicas in this process: over step.combine and engines
     "optimizer": 8,
     "simulation": 8,  # beside the optimizer: the same step, every replica in one process
     "callbacks": 9,

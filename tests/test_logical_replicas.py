@@ -13,13 +13,19 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from multiprocess import TESTS, worker_env
 
 import tf_adasum
 from tf_adasum import launch, reference
+from tf_adasum.engines.base import pair_rule
 from tf_adasum.engines.simulated import SimulatedEngine
 from tf_adasum.launcher.elastic import REPLICAS_VARIABLE, holding_counts
 from tf_adasum.launcher.mpirun import mpirun_command
+from tf_adasum.step import keras_step
+from tf_adasum.step.replica_loop import replica_seed, seed_after_step
+from tf_adasum.tree import rvh
+from tf_adasum.tree.buckets import make_buckets, pack
 
 WORKER = os.path.join(TESTS, "workers", "logical_worker.py")
 sys.path.insert(0, os.path.join(TESTS, "workers"))
@@ -126,6 +132,52 @@ def test_the_tree_over_blocks_is_the_tree_bit_for_bit():
         reference.tree_with_blocks(values[:3], reference.adasum_pair, 6, 0)
 
 
+@pytest.mark.parametrize("replicas, size", [(6, 2), (12, 4), (12, 1), (8, 2), (8, 4)])
+def test_the_tf_tree_over_blocks_is_the_whole_tree_bit_for_bit(replicas, size):
+    """`rvh.reduce_on_one_device` over one block, the others' values gathered
+    (here computed beforehand), against the whole tree on one device; the
+    trees of 6 and 12 fold pairs inside the blocks."""
+    rng = np.random.default_rng(replicas + size)
+    values = [[tf.constant(rng.normal(size=[5, 3]).astype(np.float32))] for _ in range(replicas)]
+    (bucket,) = make_buckets([tf.float32], [15], replicas, 0)
+    flats = [pack(v, bucket) for v in values]
+    rule = pair_rule("adasum")
+    whole = rvh.reduce_on_one_device(flats, bucket, rule)
+    blocks = [
+        rvh.reduce_on_one_device(flats[p : p + size], bucket, rule, replicas, p, None) for p in range(0, replicas, size)
+    ]
+    for p in range(0, replicas, size):
+        top = rvh.reduce_on_one_device(flats[p : p + size], bucket, rule, replicas, p, lambda v: tf.stack(blocks))
+        assert top.numpy().tobytes() == whole.numpy().tobytes(), p
+    expected = reference.adasum_tree([[v[0].numpy()] for v in values])[0].reshape(-1)
+    np.testing.assert_allclose(whole.numpy()[:15], expected, rtol=1e-5)
+
+
+def test_each_replica_draws_a_stream_of_its_own():
+    """Keras reduces a seed's words modulo 2^31 - 2: the streams of replicas
+    0..3 over two steps, 6 draws each, never meet."""
+    generator = keras.random.SeedGenerator(12345)
+    start, draws = tf.identity(generator.state.value), set()
+    state = start
+    for _ in range(2):
+        for replica in range(4):
+            generator.state.assign(replica_seed(state, replica))
+            draws.update(float(keras.random.uniform([], seed=generator)) for _ in range(6))
+        state = seed_after_step(state, 4)
+    assert len(draws) == 2 * 4 * 6
+
+
+def test_one_process_advances_the_generators_by_the_replicas_per_step():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    trainer = tf_adasum.SimulatedReplicas(model, 4, backend="local")
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    (state,) = keras_step.seed_states(trainer)
+    before = state.numpy()
+    trainer.fit(np.ones((3 * 8, 3), np.float32), np.ones((3 * 8, 2), np.float32), batch_size=8, verbose=0)
+    assert list(state.numpy()) == [before[0] + 3 * 4, before[1]]
+
+
 class _Ranks:
     """Stands in for an engine of one replica per process (only what the check reads)."""
 
@@ -158,9 +210,13 @@ def test_the_launchers_replica_count_must_be_the_models(monkeypatch):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["-n", "3", "--mpirun", "--logical-replicas", "8"], "-n must be a count that can hold --logical-replicas 8"),
+        (["-n", "3", "--mpirun", "--logical-replicas", "8"], "-n must be a count of workers that can hold --logical"),
         (["-n", "2", "--logical-replicas", "8"], "--logical-replicas 8, --mpirun False"),
         (["-n", "2", "--mpirun", "--logical-replicas", "0"], "--logical-replicas must be an int >= 1. Received:"),
+        (
+            ["-n", "4", "--mpirun", "--logical-replicas", "8", "--min-workers", "3", "--discover", "echo 4"],
+            "[1, 2, 4, 8]",
+        ),
     ],
 )
 def test_bad_logical_replica_arguments_are_one_error(tmp_path, arguments, message):

@@ -225,6 +225,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"`model.build(input_shape)`). Received: an unbuilt {type(model).__name__}"
             )
         keras_step.restore_train_function(model)  # an earlier `fit` may have ended while skipping
+        keras_step.seed_states(model)  # raises now, not at the first backup, if Keras lacks what it reads
         self._notice.release(resend=False)  # one left by an earlier `fit` that raised
         strategy = model.distribute_strategy
         optimizer = model.optimizer

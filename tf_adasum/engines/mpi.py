@@ -94,6 +94,25 @@ def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> N
     )
 
 
+def check_same_settings(comm, settings: dict, what: str, timeout: float) -> None:
+    """Raises ValueError on every rank of `comm` unless all hold the same
+    `settings` (a JSON-serialisable dict), naming rank 0's and the first
+    differing rank's."""
+    everyone = _differing(comm, settings, timeout, what)
+    if everyone is None:
+        return
+    first = next(r for r, items in enumerate(everyone) if items != everyone[0])
+    differing = {
+        k: (everyone[0].get(k), everyone[first].get(k))
+        for k in everyone[0]
+        if everyone[0].get(k) != everyone[first].get(k)
+    }
+    raise ValueError(
+        f"The {what} differ across MPI ranks: rank 0 has {everyone[0]}, rank {first} has {everyone[first]} "
+        f"(differing: {differing}). Every rank must run the same program."
+    )
+
+
 def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) -> None:
     """Sets every rank's `variables` to `root`'s values (eagerly; same list everywhere)."""
     for variable in variables:
@@ -228,6 +247,12 @@ class MPIEngine(Engine):
     def check_same_variables(self, variables) -> None:
         with tf.init_scope():
             check_same_variables(self.world.comm, variables, "trainable variables", self.timeout_seconds)
+
+    def check_same_settings(self, settings: dict, what: str) -> None:
+        """Raises ValueError on every rank unless all hold the same `settings`
+        (one 32-byte gather; the settings themselves only when they differ)."""
+        with tf.init_scope():
+            check_same_settings(self.world.comm, settings, what, self.timeout_seconds)
 
     def broadcast_initial(self, model_variables, optimizer_variables) -> None:
         """Every rank takes rank 0's `model_variables` (which must have values)

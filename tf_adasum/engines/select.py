@@ -22,17 +22,21 @@ from tensorflow.python.distribute import collective_util
 from tf_adasum.comm import cluster, mpi_transport
 from tf_adasum.engines.base import Engine
 from tf_adasum.engines.mpi import MPIEngine
+from tf_adasum.engines.simulated import replicas_per_process
 from tf_adasum.engines.tf import TFEngine
+from tf_adasum.launcher.elastic import REPLICAS_VARIABLE
 
 __all__ = [
     "BACKENDS",
     "LAUNCHER_SIZE_VARIABLES",
+    "SIMULATION_BACKENDS",
     "choose_backend",
     "communication_options",
     "launched_by_mpi",
     "launcher_world_size",
     "make_engine",
     "mpi_world",
+    "replica_processes",
     "resolve_compression",
     "strategy_compression",
 ]
@@ -43,6 +47,8 @@ __all__ = [
 LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
 
 BACKENDS = ("auto", "tf", "mpi")
+#: Where `tf_adasum.SimulatedReplicas` runs its replicas: all in this process, or spread over MPI ranks.
+SIMULATION_BACKENDS = ("auto", "local", "mpi")
 
 
 def launcher_world_size() -> int:
@@ -65,6 +71,28 @@ def launched_by_mpi() -> bool:
 def mpi_world() -> mpi_transport.World:
     """The process's MPI world (initialises MPI), checked against the launcher."""
     return mpi_transport.world(launcher_world_size())
+
+
+def replica_processes(backend: str, num_replicas: int) -> MPIEngine | None:
+    """The processes over which `tf_adasum.SimulatedReplicas` spreads its
+    `num_replicas` replicas: an `MPIEngine` over the ranks (``"mpi"``; with
+    ``"auto"``, when an MPI launcher started several), or None (``"local"``:
+    all in this process). Raises before any MPI call when `backend` is
+    unknown, when ``tf-adasum launch --logical-replicas`` announced another
+    count (`REPLICAS_VARIABLE`), or when the ranks the launcher announced
+    cannot hold the replicas (`tf_adasum.engines.simulated.replicas_per_process`)."""
+    if backend not in SIMULATION_BACKENDS:
+        raise ValueError(f"`backend` must be one of {SIMULATION_BACKENDS}. Received: backend={backend!r}")
+    announced = os.environ.get(REPLICAS_VARIABLE, "")
+    if announced and announced != str(num_replicas):
+        raise ValueError(
+            f"The launcher runs this job with {REPLICAS_VARIABLE}={announced} (tf-adasum launch "
+            f"--logical-replicas), and this model has num_replicas={num_replicas}: give both the same count."
+        )
+    if backend == "local" or (backend == "auto" and not launched_by_mpi()):
+        return None
+    replicas_per_process(num_replicas, launcher_world_size())  # before MPI starts
+    return MPIEngine(mpi_world())
 
 
 def choose_backend(backend: str, strategy) -> str:

@@ -47,7 +47,7 @@ from tf_adasum.reference import block_sizes
 from tf_adasum.tree import rvh
 from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
-__all__ = ["CPU", "SimulatedEngine", "components", "per_replica"]
+__all__ = ["CPU", "SimulatedEngine", "components", "per_replica", "replicas_per_process"]
 
 #: The device every simulated replica lives on: this process's first CPU.
 CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -64,17 +64,10 @@ def components(value) -> tuple:
     return tuple(value.values) if isinstance(value, values_lib.DistributedValues) else (value,)
 
 
-def _check_processes(num_replicas: int, processes: Engine | None) -> int:
-    """The replicas each process holds; a `ValueError` naming the counts when
-    the processes cannot hold `num_replicas` as blocks of the tree."""
-    if processes is None:
-        return num_replicas
-    count = processes.num_replicas
-    if processes.local_replicas != 1:
-        raise ValueError(
-            "`processes` must be an engine with one replica per process (e.g. MPIEngine). Received: "
-            f"{type(processes).__name__} with {processes.local_replicas} replicas per process"
-        )
+def replicas_per_process(num_replicas: int, count: int) -> int:
+    """The replicas each of `count` processes holds (num_replicas / count); a
+    `ValueError` naming the counts that can when these cannot hold
+    `num_replicas` as blocks of the tree (`tf_adasum.reference.block_sizes`)."""
     sizes = block_sizes(num_replicas)
     if num_replicas % count or num_replicas // count not in sizes:
         counts = sorted(num_replicas // b for b in sizes)
@@ -84,6 +77,18 @@ def _check_processes(num_replicas: int, processes: Engine | None) -> int:
             f"must form a subtree). Received: num_replicas={num_replicas} over {count} processes"
         )
     return num_replicas // count
+
+
+def _check_processes(num_replicas: int, processes: Engine | None) -> int:
+    """The replicas each process holds (see `replicas_per_process`)."""
+    if processes is None:
+        return num_replicas
+    if processes.local_replicas != 1:
+        raise ValueError(
+            "`processes` must be an engine with one replica per process (e.g. MPIEngine). Received: "
+            f"{type(processes).__name__} with {processes.local_replicas} replicas per process"
+        )
+    return replicas_per_process(num_replicas, processes.num_replicas)
 
 
 class _Extended:
@@ -217,6 +222,12 @@ class SimulatedEngine(Engine):
         """Every process holds the same variable list (one tiny exchange; nothing in one process)."""
         if self.processes is not None:
             self.processes.check_same_variables(variables)
+
+    def check_same_settings(self, settings: dict, what: str) -> None:
+        """Every process holds the same `settings` (a ValueError on every one
+        naming both otherwise; one tiny exchange, nothing in one process)."""
+        if self.processes is not None:
+            self.processes.check_same_settings(settings, what)
 
     def broadcast_initial(self, model_variables: Sequence, optimizer_variables: Sequence) -> None:
         """Every process takes process 0's values (nothing to do in one process)."""

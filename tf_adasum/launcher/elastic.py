@@ -97,7 +97,7 @@ class Elastic(NamedTuple):
     max_restarts: int = 0
     discover: str | None = None
     wait_seconds: float = 60.0
-    replicas: int | None = None
+    logical_replicas: int | None = None
 
     def check(self) -> Elastic:
         """Itself, or a `TypeError` or `ValueError` naming the argument and the value received."""
@@ -120,23 +120,28 @@ class Elastic(NamedTuple):
             raise TypeError(f"`wait_seconds` must be a number. Received: wait_seconds={self.wait_seconds!r}")
         if not self.wait_seconds >= 0:
             raise ValueError(f"`wait_seconds` must be a number >= 0. Received: wait_seconds={self.wait_seconds!r}")
-        if self.replicas is not None:
-            if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-                raise ValueError(f"`replicas` must be an int >= 1. Received: replicas={self.replicas!r}")
-            if self.max_workers not in holding_counts(self.replicas):
-                raise ValueError(
-                    f"`max_workers` must be a count that can hold replicas={self.replicas} (each worker a "
-                    f"subtree of the tree): one of {holding_counts(self.replicas)}. Received: "
-                    f"max_workers={self.max_workers}"
-                )
+        replicas = self.logical_replicas
+        if replicas is not None:
+            if isinstance(replicas, bool) or not isinstance(replicas, int):
+                raise TypeError(f"`logical_replicas` must be an int or None. Received: logical_replicas={replicas!r}")
+            if replicas < 1:
+                raise ValueError(f"`logical_replicas` must be an int >= 1. Received: logical_replicas={replicas!r}")
+            counts = holding_counts(replicas)
+            for name in ("max_workers", "min_workers"):
+                if getattr(self, name) not in counts:
+                    raise ValueError(
+                        f"`{name}` must be a count of workers that can hold logical_replicas={replicas} (each "
+                        f"worker's replicas a subtree of the tree): one of {counts}. Received: "
+                        f"{name}={getattr(self, name)}"
+                    )
         return self
 
     def usable(self, count: int) -> int:
         """Of `count` workers available, how many a round runs: the largest
-        that holds `replicas` (the rest spare), or `count` without them."""
-        if self.replicas is None:
+        that holds `logical_replicas` (the rest spare), or `count` without them."""
+        if self.logical_replicas is None:
             return count
-        return max([m for m in holding_counts(self.replicas) if m <= count], default=0)
+        return max([m for m in holding_counts(self.logical_replicas) if m <= count], default=0)
 
     def is_elastic(self) -> bool:
         """Whether these settings ask for rounds (else: one launch, as without them)."""
@@ -200,27 +205,28 @@ OPTIONS = {
     "max_restarts": "--max-restarts",
     "discover": "--discover",
     "wait_seconds": "--wait",
-    "replicas": "--logical-replicas",
+    "logical_replicas": "--logical-replicas",
     "hosts": "--hosts",
     "mpirun": "--mpirun",
 }
 
 
 def settings(
-    num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False, replicas=None
+    num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False, logical_replicas=None
 ) -> Elastic:
     """`launch`'s elastic arguments, checked (a `TypeError` or `ValueError` naming the argument)."""
     elastic = Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
-    elastic = elastic._replace(discover=discover, wait_seconds=wait_seconds, replicas=replicas).check()
+    elastic = elastic._replace(discover=discover, wait_seconds=wait_seconds, logical_replicas=logical_replicas)
+    elastic = elastic.check()
     if elastic.min_workers < num_workers and discover is None:
         raise ValueError(
             "`min_workers` below the workers asked for needs `discover` (without it every worker is always "
             f"available). Received: min_workers={elastic.min_workers}, discover=None"
         )
-    if replicas is not None and not mpirun:
+    if logical_replicas is not None and not mpirun:
         raise ValueError(
-            "`replicas` (logical replicas, tf_adasum.SimulatedReplicas) run as MPI ranks: add `mpirun`. "
-            f"Received: replicas={replicas}, mpirun=False"
+            "`logical_replicas` (tf_adasum.SimulatedReplicas) run as MPI ranks: add `mpirun`. "
+            f"Received: logical_replicas={logical_replicas}, mpirun=False"
         )
     if elastic.is_elastic() and hosts is not None and (mpirun or elastic.min_workers < hosts):
         raise ValueError(
