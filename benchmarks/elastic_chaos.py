@@ -72,7 +72,12 @@ def _worker(out: str, replicas: int, epochs: int, save_freq: int, schedule: list
     trainer.compile(optimizer=keras.optimizers.Adam(rate), loss=loss)
     folder = os.path.join(out, "backup")
     start = backup.saved_epoch(folder)
-    orders = [np.random.default_rng(1000 + e).permutation(len(x)) for e in range(start, epochs)]
+    # Each epoch its own seeded order, cut to whole batches: epoch e's batches are the same whether or not
+    # the run was interrupted (a batch across two epochs would not be, once a resume starts at an epoch).
+    orders = [
+        np.random.default_rng(1000 + e).permutation(len(x))[: steps * replicas * BATCH_PER_REPLICA]
+        for e in range(start, epochs)
+    ]
     rows = np.concatenate(orders)
     data = tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(replicas * BATCH_PER_REPLICA, True)
 

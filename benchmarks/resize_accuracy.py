@@ -85,7 +85,8 @@ def run(combiner: str, schedule: str, seed: int, epochs: int) -> dict:
         return LR * scale * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
 
     def data(first, end, n):
-        orders = [np.random.default_rng([seed, e]).permutation(len(x)) for e in range(first, end)]
+        whole = len(x) // (n * BATCH_PER_REPLICA) * n * BATCH_PER_REPLICA  # each epoch whole batches
+        orders = [np.random.default_rng([seed, e]).permutation(len(x))[:whole] for e in range(first, end)]
         rows = np.concatenate(orders)
         return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(n * BATCH_PER_REPLICA, True).prefetch(2)
 

@@ -180,7 +180,7 @@ def test_a_discovery_failing_mid_run_stops_the_run(tmp_path, answer, message):
         (["-n", "2", "--discover", " "], "--discover must be a shell command. Received: --discover ' '"),
         (["-n", "2", "--max-restarts", "1", "--wait", "-1"], "--wait must be a number >= 0"),
         (["-n", "3", "--hosts", "2", "--min-workers", "1", "--discover", "echo 3"], "--min-workers >= --hosts"),
-        (["-n", "2", "--hosts", "2", "--mpirun", "--max-restarts", "1"], "not --mpirun, and --min-workers >= --hosts"),
+        (["-n", "3", "--hosts", "2", "--mpirun", "--min-workers", "1", "--discover", "echo 3"], "at least one worker"),
     ],
 )
 def test_bad_elastic_arguments_are_one_error(tmp_path, arguments, message):

@@ -102,8 +102,11 @@ def _exposure_notice(ports: Sequence[int], isolated: bool, hosts: Sequence[str] 
     )
 
 
-def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], hosts: int, link: str | None) -> int:
-    """`launch` with ``mpirun=True``: one mpirun on host 0 (see the module docstring)."""
+def _launch_mpirun(
+    num_ranks: int, command: Sequence[str], env: dict[str, str], hosts: int, link: str | None, resize=None
+) -> int:
+    """`launch` with ``mpirun=True`` and `hosts`: one mpirun on host 0 (see the
+    module docstring); the hosts made anew for each elastic round."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         raise NetworkIsolationError(
             f"mpirun across emulated hosts needs Linux and root. Received: sys.platform={sys.platform!r}, "
@@ -133,7 +136,7 @@ def _launch_mpirun(num_ranks: int, command: Sequence[str], env: dict[str, str], 
             flush=True,
         )
         on_host_0 = [*children.helper_command("enter", addresses[0]), *mpirun, *command]
-        return children.run([children.Child(on_host_0, env, "[mpirun] ")])
+        return children.run([children.Child(on_host_0, env, "[mpirun] ")], resize=resize)
     finally:
         for fd in network:  # held until mpirun is gone: its daemons enter the hosts through them
             os.close(fd)
@@ -182,8 +185,8 @@ def launch(
         (as root).
       min_workers: an elastic run (`tf_adasum/launcher/elastic.py`): rounds
         of as many workers as are available, at least this many (None:
-        `num_workers`); with `mpirun`, rounds of ``mpirun -np W`` on this
-        machine (not across `hosts`).
+        `num_workers`); with `mpirun`, rounds of ``mpirun -np W``, on this
+        machine or across `hosts`.
       max_restarts: relaunch a failed round at most this many times.
       discover: a shell command printing how many workers can run now (one
         integer), asked every second; a change ends the round with SIGTERM
@@ -247,10 +250,10 @@ def launch(
     base = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     if logical_replicas is not None:
         base[elastic.REPLICAS_VARIABLE] = str(logical_replicas)
-    if mpirun and hosts is not None:
-        return _launch_mpirun(num_workers, command, base, hosts, link)
 
     def start(workers, env, resize=None):
+        if mpirun and hosts is not None:
+            return _launch_mpirun(workers, command, env, hosts, link, resize)
         if mpirun:
             return _launch_local_mpirun(workers, command, env, resize)
         return _launch_workers(workers, command, env, isolate_network, hosts, link, resize)

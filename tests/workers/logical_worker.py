@@ -15,10 +15,8 @@ Without a plan: writes ``rank{R}.npz`` (the weights as ``weight{i}``, and
 this process's replicas' optimizer state as ``replica{j}/variable{v}``, j the
 replica's number) and ``rank{R}.json`` (the replicas it held).
 
-With a plan (`elastic_worker.Plan`'s, and ``{"kill_leaving": [ROUND, RANK,
-BATCH, COUNT]}``: that process writes COUNT to ``OUTDIR/slots``, which the
-test's discovery command prints, then SIGKILLs itself as the run's batch
-BATCH begins): `tf_adasum.BackupAndRestore` backs up after every batch and
+With a plan (`elastic_worker.Plan`'s: the discovery's count rewritten
+after some batches of a round): `tf_adasum.BackupAndRestore` backs up after every batch and
 on a preemption notice in ``OUTDIR/backup``; writes ``restored{ROUND}_rank{R}.json``
 (the processes of the round, the position restored) and at the end
 ``final_rank{R}.npz`` and ``.json`` (the step counter, the round).
@@ -26,7 +24,6 @@ on a preemption notice in ``OUTDIR/backup``; writes ``restored{ROUND}_rank{R}.js
 
 import json
 import os
-import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -37,7 +34,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic_worker import EPOCHS, STEPS, Plan, Restored, write_slots  # noqa: E402
+from elastic_worker import EPOCHS, STEPS, Plan, Restored  # noqa: E402
 
 import tf_adasum  # noqa: E402
 from tf_adasum import backup  # noqa: E402
@@ -53,23 +50,6 @@ def dataset(start_epoch):
     orders = [np.random.default_rng(100 + e).permutation(len(x)) for e in range(start_epoch, EPOCHS)]
     rows = np.concatenate(orders) if orders else np.zeros([0], int)
     return tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(L * BATCH, drop_remainder=True)
-
-
-class KillLeaving(keras.callbacks.Callback):
-    """The plan's ``kill_leaving``: a process that leaves the discovery's count behind, then dies."""
-
-    def __init__(self, plan, round_number, rank, out):
-        super().__init__()
-        self.kill, self.out, self.epoch = plan.get("kill_leaving"), out, 0
-        self.where = [round_number, rank]
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.kill and self.kill[:3] == [*self.where, self.epoch * STEPS + batch]:
-            write_slots(self.out, self.kill[3])
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def replica_states(trainer):
@@ -106,7 +86,6 @@ def main(out, combiner, mode, plan_path=None):
         restoring,
         Restored(restoring, os.path.join(out, f"restored{round_number}_rank{rank}"), {"workers": processes}),
         Plan(plan, round_number, rank, out, restoring),
-        KillLeaving(plan, round_number, rank, out),
     ]
     trainer.fit(dataset(backup.saved_epoch(folder)), callbacks=callbacks, **fit)
     np.savez(os.path.join(out, f"final_rank{rank}.npz"), **replica_states(trainer))
