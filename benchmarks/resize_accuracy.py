@@ -100,7 +100,7 @@ def run(combiner: str, schedule: str, seed: int, epochs: int) -> dict:
                 resize = tf_adasum.BackupAndRestore(folder, delete_checkpoint=False)
                 phase_callbacks = [resize, *callbacks]
             else:  # Keras' averaging: one model at the effective batch
-                if trained.optimizer is None:
+                if getattr(trained, "optimizer", None) is None:
                     trained.compile(optimizer=keras.optimizers.Adam(LR), loss=loss)
                 phase_callbacks = callbacks
             steps = len(x) // (n * BATCH_PER_REPLICA)
@@ -144,7 +144,9 @@ def main() -> None:
             if any((r["combiner"], r["schedule"], r["seed"]) == (combiner, schedule, seed) for r in done):
                 continue
             command = [sys.executable, __file__, "--epochs", str(args.epochs), "--run", combiner, schedule, str(seed)]
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{combiner} {schedule} seed {seed} failed: {result.stderr[-3000:]}")
             record = json.loads(result.stdout.strip().splitlines()[-1])
             record.update(date=time.strftime("%Y-%m-%d"), commit=commit(), processor=processor())
             with open(args.out, "a") as f:
