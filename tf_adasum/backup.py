@@ -236,9 +236,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._reads_communicate = _reading_communicates(list(model.variables) + self._optimizer_variables())
         replicas = strategy.num_replicas_in_sync  # of this process, or of every worker together
         self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas
-        self._copies = getattr(model, "replica_copies", replica_states.local_copies)
-        if optimizer is not None and hasattr(model, "replica_copies"):  # SimulatedReplicas: its logical replicas
-            self._local_replicas = len(self._copies(optimizer.iterations))
+        logical = getattr(model, "replica_copies", None)  # SimulatedReplicas: its logical replicas
+        self._copies = logical or replica_states.local_copies
+        if logical is not None and optimizer is not None:
+            self._local_replicas = len(logical(optimizer.iterations))
         metadata, error = None, None
         try:
             steps = self._steps_per_epoch()

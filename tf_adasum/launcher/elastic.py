@@ -183,16 +183,16 @@ class Elastic(NamedTuple):
         return min(int(match.group(1)), self.max_workers)
 
     def wait_for_minimum(self) -> int:
-        """The workers available, once at least `min_workers`; an `ElasticError`
-        after `wait_seconds` below it."""
+        """The workers a round runs (`usable`), once at least `min_workers`;
+        an `ElasticError` naming the count available after `wait_seconds` below it."""
         deadline = time.monotonic() + self.wait_seconds
         while True:
-            count = self.usable(self.available())
-            if count >= self.min_workers:
-                return count
+            available = self.available()
+            if self.usable(available) >= self.min_workers:
+                return self.usable(available)
             if time.monotonic() >= deadline:
                 raise ElasticError(
-                    f"{count} workers available, fewer than --min-workers {self.min_workers}, for "
+                    f"{available} workers available, fewer than --min-workers {self.min_workers}, for "
                     f"{self.wait_seconds:g} s (the discovery command {self.discover!r})"
                 )
             time.sleep(WAIT_POLL_SECONDS)
