@@ -39,6 +39,7 @@ LAYERS = {
     "engines.tf": 5,
     "engines.simulated": 5,
     "engines.mpi": 5,
+    "engines.workers": 5,  # over comm.collective and engines.base: the workers of a cluster as processes
     "engines.select": 6,
     "cross_device_ops": 7,
     "processes": 7,  # which process, how many, a sum over them: over engines.tf and engines.select

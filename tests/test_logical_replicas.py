@@ -1,9 +1,9 @@
 """Logical replicas (issue 40): a job of L = 8 replicas
 (`tf_adasum.SimulatedReplicas`) gives the same model on any number of MPI
-ranks that holds them, bit for bit, and an elastic run of it
-(``tf-adasum launch --mpirun --logical-replicas 8``) through resizes,
-spares and a SIGKILL ends with the model of an uninterrupted run. The
-workers are `tests/workers/logical_worker.py`."""
+ranks or MultiWorkerMirroredStrategy workers that holds them, bit for bit,
+and an elastic run of it (``tf-adasum launch [--mpirun] --logical-replicas
+8``) through resizes and spares ends with the model of an uninterrupted
+run. The workers are `tests/workers/logical_worker.py`."""
 
 import json
 import os
@@ -44,14 +44,31 @@ def _states(folder, prefix="rank"):
     return merged
 
 
-def _run(processes, out, combiner="adasum", mode="delta"):
+def _run(processes, out, combiner="adasum", mode="delta", launcher="mpirun"):
+    """The worker's states on `processes` MPI ranks (`launcher` "mpirun") or
+    workers of TF_CONFIG ("workers": ``tf-adasum launch -n``)."""
     out.mkdir()
     command = [sys.executable, WORKER, str(out), combiner, mode]
-    if processes > 1:
+    if processes > 1 and launcher == "mpirun":
         command = mpirun_command(processes) + command
+    elif processes > 1:
+        command = [sys.executable, launch.__file__, "-n", str(processes), *command[1:]]
     result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     return _states(out)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The states of the job in one process (Adasum, delta mode): what every
+    process count and every elastic run must give."""
+    return _run(1, tmp_path_factory.mktemp("logical") / "one")
+
+
+@pytest.fixture(scope="module")
+def one_process_adacons(tmp_path_factory):
+    """The same with AdaCons in gradient mode."""
+    return _run(1, tmp_path_factory.mktemp("logical") / "one", "adacons", "gradient")
 
 
 def _assert_same(actual, expected, what):
@@ -61,11 +78,11 @@ def _assert_same(actual, expected, what):
 
 
 @pytest.mark.mpi
-def test_a_job_of_8_replicas_gives_the_same_model_on_1_2_4_and_8_processes(tmp_path):
+def test_a_job_of_8_replicas_gives_the_same_model_on_1_2_4_and_8_processes(tmp_path, one_process):
     """Weights and every replica's Adam state after 24 steps (delta mode),
     bitwise, whatever the process count; the ranks started from weights of
     their own (the broadcast made rank 0's the start)."""
-    one = _run(1, tmp_path / "one")
+    one = one_process
     assert len([key for key in one if key.startswith("replica")]) == 8 * 9  # two moments of 4 variables, iterations
     for processes in (2, 4, 8):
         _assert_same(_run(processes, tmp_path / f"p{processes}"), one, f"{processes} processes")
@@ -74,27 +91,42 @@ def test_a_job_of_8_replicas_gives_the_same_model_on_1_2_4_and_8_processes(tmp_p
 
 
 @pytest.mark.mpi
-def test_adacons_in_gradient_mode_gives_the_same_model_on_2_processes(tmp_path):
+def test_adacons_in_gradient_mode_gives_the_same_model_on_2_processes(tmp_path, one_process_adacons):
     """AdaCons' gathers and sums over the processes: the same bits as in one."""
-    _assert_same(_run(2, tmp_path / "two", "adacons", "gradient"), _run(1, tmp_path / "one", "adacons", "gradient"), "")
+    _assert_same(_run(2, tmp_path / "two", "adacons", "gradient"), one_process_adacons, "")
 
 
-@pytest.mark.mpi
-def test_an_elastic_run_through_a_spare_and_two_resizes_ends_with_the_uninterrupted_model(tmp_path):
-    """4 ranks; the discovery says 3 (2 of them hold 8 replicas, one spare):
-    a resize to 2 (SIGUSR1, which mpirun forwards: every rank backs up and
-    exits); then 4: a resize to 4. The last round's model and every
-    replica's optimizer state (Adam, and dropout drawn per replica) are the
-    uninterrupted run's, bitwise, and the step counter is epochs x steps.
-    Across 2 emulated hosts where namespaces can be made (each round's hosts
-    made anew), else on this machine. (A SIGKILL relaunch: test_elastic.py,
-    and with logical replicas, benchmarks/elastic_chaos.py.)"""
-    expected = _run(1, tmp_path / "reference")
+def test_adacons_gives_the_same_model_on_2_workers(tmp_path, one_process_adacons):
+    """On the workers of TF_CONFIG (``tf-adasum launch -n 2``), which
+    exchange over TF collective ops: AdaCons in gradient mode (the blocks
+    gathered, its sums), the same bits as in one process. (Adasum in delta
+    mode on 4 and 2 workers: the elastic test below.)"""
+    two = _run(2, tmp_path / "two", "adacons", "gradient", launcher="workers")
+    _assert_same(two, one_process_adacons, "2 workers")
+    held = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert held == [{"first": 0, "count": 4}, {"first": 4, "count": 4}]
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "workers"])
+def test_an_elastic_run_through_a_spare_and_two_resizes_ends_with_the_uninterrupted_model(
+    tmp_path, launcher, one_process
+):
+    """4 ranks (or workers); the discovery says 3 (2 of them hold 8
+    replicas, one spare): a resize to 2 (SIGUSR1, which mpirun forwards:
+    every process backs up and exits); then 4: a resize to 4. The last
+    round's model and every replica's optimizer state (Adam, and dropout
+    drawn per replica) are the uninterrupted run's, bitwise, and the step
+    counter is epochs x steps. Across 2 emulated hosts where namespaces can
+    be made (each round's hosts made anew), else on this machine. (A SIGKILL
+    relaunch: test_elastic.py, and with logical replicas,
+    benchmarks/elastic_chaos.py.)"""
+    expected = one_process
     out = tmp_path / "elastic"
     out.mkdir()
     (out / "slots").write_text("4\n")
     (out / "plan.json").write_text(json.dumps({"slots": [[0, 2, 3], [1, 2, 4]]}))
-    arguments = ["-n", "4", "--mpirun", "--logical-replicas", "8", "--min-workers", "2"]
+    arguments = ["-n", "4", "--logical-replicas", "8", "--min-workers", "2"]
+    arguments += ["--mpirun"] if launcher == "mpirun" else []
     if EMULATED_HOSTS_REFUSAL is None:
         arguments += ["--hosts", "2", "--link", "1gbit"]
     arguments += ["--discover", f"cat {out / 'slots'}", WORKER, str(out), "adasum", "delta", str(out / "plan.json")]
@@ -109,7 +141,8 @@ def test_an_elastic_run_through_a_spare_and_two_resizes_ends_with_the_uninterrup
     assert [r["workers"] for r in rounds] == [4, 2, 4], (rounds, output)
     assert "resize to 2 workers" in result.stderr and "resize to 4 workers" in result.stderr, output
     if EMULATED_HOSTS_REFUSAL is None:
-        assert "2 MPI ranks on 2 emulated hosts" in result.stderr, output
+        on_hosts = "2 MPI ranks on 2 emulated hosts" if launcher == "mpirun" else "the workers run on 2 emulated hosts"
+        assert on_hosts in result.stderr, output
     _assert_same(_states(out, "final_rank"), expected, "the elastic run")
     assert json.loads((out / "final_rank0.json").read_text()) == {"iterations": EPOCHS * STEPS, "round": 2}
 
@@ -208,15 +241,34 @@ def test_the_launchers_replica_count_must_be_the_models(monkeypatch):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match=r"TF_ADASUM_LOGICAL_REPLICAS=8 .* num_replicas=4"):
         tf_adasum.SimulatedReplicas(model, 4)
-    with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'local', 'mpi'\). Received: backend='tf"):
+    with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'local', 'mpi', 'workers'\). Rec"):
         tf_adasum.SimulatedReplicas(model, 8, backend="tf")
+
+
+def test_workers_that_cannot_run_the_replicas_are_one_error_before_any_exchange(monkeypatch):
+    """No TF_CONFIG; 3 workers for 8 replicas; a program that ran TensorFlow
+    before creating its MultiWorkerMirroredStrategy (this one)."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match=r"backend='workers'\) spreads .* and it names 0\. Received: TF_CONFIG=''"):
+        tf_adasum.SimulatedReplicas(model, 8, backend="workers")
+
+    def cluster(workers):
+        spec = {"worker": [f"localhost:{20000 + i}" for i in range(workers)]}
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}}))
+
+    cluster(3)
+    with pytest.raises(ValueError, match=r"3 processes cannot hold num_replicas=8 .* can are \[1, 2, 4, 8\]"):
+        tf_adasum.SimulatedReplicas(model, 8)  # "auto": the workers of TF_CONFIG
+    cluster(2)
+    with pytest.raises(RuntimeError, match=r"create `tf.distribute.MultiWorkerMirroredStrategy\(\)` first"):
+        tf_adasum.SimulatedReplicas(model, 8)
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
         (["-n", "3", "--mpirun", "--logical-replicas", "8"], "-n must be a count of workers that can hold --logical"),
-        (["-n", "2", "--logical-replicas", "8"], "--logical-replicas 8, --mpirun False"),
         (["-n", "2", "--mpirun", "--logical-replicas", "0"], "--logical-replicas must be an int >= 1. Received:"),
         (
             ["-n", "4", "--mpirun", "--logical-replicas", "8", "--min-workers", "3", "--discover", "echo 4"],

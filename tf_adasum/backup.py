@@ -232,7 +232,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:  # its variables must exist to be loaded
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
-        self._processes = Processes.of(strategy)  # the same decision on every process
+        # The same decision on every process; SimulatedReplicas names its own (its replicas' processes).
+        own = getattr(model, "processes", None)
+        self._processes = own if isinstance(own, Processes) else Processes.of(strategy)
         self._reads_communicate = _reading_communicates(list(model.variables) + self._optimizer_variables())
         replicas = strategy.num_replicas_in_sync  # of this process, or of every worker together
         self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas

@@ -194,7 +194,7 @@ def launch(
         `num_workers` are always available.
       wait_seconds: how long to wait for `min_workers` before failing.
       logical_replicas: the job's replica count L (`tf_adasum.SimulatedReplicas`
-        under `mpirun`), given to every worker in ``TF_ADASUM_LOGICAL_REPLICAS``;
+        on the workers, or under `mpirun`), given to every worker in ``TF_ADASUM_LOGICAL_REPLICAS``;
         `num_workers` must hold L, and each elastic round runs the largest
         count that does (the others spare).
 
@@ -244,9 +244,7 @@ def launch(
             "`isolate_network` and `hosts` exclude each other (the emulated hosts are private already). "
             f"Received: isolate_network=True, hosts={hosts!r}"
         )
-    settings = elastic.settings(
-        num_workers, min_workers, max_restarts, discover, wait_seconds, hosts, mpirun, logical_replicas
-    )
+    settings = elastic.settings(num_workers, min_workers, max_restarts, discover, wait_seconds, hosts, logical_replicas)
     base = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     if logical_replicas is not None:
         base[elastic.REPLICAS_VARIABLE] = str(logical_replicas)
@@ -362,7 +360,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.discover,
             args.wait,
             args.hosts,
-            args.mpirun,
             args.logical_replicas,
         )
     except (TypeError, ValueError) as error:

@@ -47,22 +47,30 @@ of the weights, or in gradient mode of the gradients); time: about N times one
 replica's step at batch b, plus the tree.
 
 **Logical replicas: one job, any number of processes.** Under ``mpirun``
-(``backend="auto"`` or ``"mpi"``) the N replicas are spread over the M ranks:
-rank p holds the N / M contiguous replicas ``p*N/M .. (p+1)*N/M - 1`` and
+(``backend="auto"`` or ``"mpi"``), or on the workers of a cluster
+(``TF_CONFIG``, ``tf-adasum launch -n M``; ``backend="auto"`` or
+``"workers"``), the N replicas are spread over the M processes: process p
+holds the N / M contiguous replicas ``p*N/M .. (p+1)*N/M - 1`` and
 reads their rows of every global batch (each process reads the whole global
 batch and keeps its rows: give every process the same input pipeline), the
 tree's lower levels run inside each rank and the upper ones across ranks
 (`tf_adasum.engines.simulated`). A step's result does not depend on M, bit
 for bit: N stays the job's replica count, M where it runs (M must divide N so
-that each rank's replicas form a subtree of the tree; every divisor when N is
-a power of two). Rank 0's weights and optimizer state are broadcast when
-`compile` builds the optimizer; the model's metrics are each rank's own
-replicas'. A backup (`tf_adasum.BackupAndRestore`) holds every replica's
-optimizer state by its replica number, so a job resumes on another M
-(`tf-adasum launch --mpirun` with elastic options restarts it on the ranks
-alive), exactly for adasum, sum and mean with K = 1 (AdaCons' own state and
-a cycle of K local steps restart). Every rank must run the same settings: a
-mismatch is a `ValueError` on every rank at `compile`.
+that each process's replicas form a subtree of the tree; every divisor when N
+is a power of two). Process 0's weights and optimizer state are broadcast
+when `compile` builds the optimizer; the model's metrics are each process's
+own replicas'. A backup (`tf_adasum.BackupAndRestore`) holds every
+replica's optimizer state by its replica number, so a job resumes on
+another M (`tf-adasum launch` with elastic options restarts it on the
+processes alive), exactly for adasum, sum and mean with K = 1 (AdaCons' own
+state and a cycle of K local steps restart). Every process must run the
+same settings: a mismatch is a `ValueError` on every one at `compile`.
+
+On workers, TensorFlow needs the program to create
+``tf.distribute.MultiWorkerMirroredStrategy()`` at its start (before any
+other TensorFlow call) for collective ops to reach the other workers; build
+the model and `SimulatedReplicas` outside its scope (the replicas are
+`SimulatedReplicas`', not the strategy's; `tf_adasum.engines.workers`).
 
 Example:
   >>> trainer = SimulatedReplicas(make_model(), num_replicas=256)
@@ -81,7 +89,9 @@ import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.engines import select
+from tf_adasum.engines.mpi import MPIEngine
 from tf_adasum.engines.simulated import SimulatedEngine
+from tf_adasum.processes import Processes
 from tf_adasum.step import keras_step
 from tf_adasum.step import settings as settings_lib
 from tf_adasum.step.replica_loop import ReplicaLoop, StackRow
@@ -103,9 +113,11 @@ class SimulatedReplicas(keras.Model):
       backward_passes_per_step: K >= 1 local steps (delta) or averaged
         gradients (gradient mode) per combine.
       backend: where the replicas run: ``"local"``, all in this process;
-        ``"mpi"``, spread over the ranks of an MPI job (see the module);
-        ``"auto"`` (default), ``"mpi"`` when an MPI launcher started this
-        process with several ranks, else ``"local"``.
+        ``"mpi"``, spread over the ranks of an MPI job; ``"workers"``, over
+        the workers ``TF_CONFIG`` names (see the module); ``"auto"``
+        (default): ``"mpi"`` when an MPI launcher started this process with
+        several ranks, else ``"workers"`` when ``TF_CONFIG`` names several
+        chief and worker tasks, else ``"local"``.
       name: the wrapper's name.
 
     The inner optimizer must not be built yet (its state is copied per
@@ -138,7 +150,7 @@ class SimulatedReplicas(keras.Model):
         )
         self.model = model
         processes = select.replica_processes(backend, num_replicas)  # every check first, then MPI
-        self.backend = "local" if processes is None else "mpi"
+        self.backend = "local" if processes is None else "mpi" if isinstance(processes, MPIEngine) else "workers"
         self.engine = SimulatedEngine(num_replicas, processes=processes)
         self.num_replicas = num_replicas
         self._state = None
@@ -188,6 +200,21 @@ class SimulatedReplicas(keras.Model):
         self.engine.check_same_variables(self.model.trainable_variables)
         self.engine.broadcast_initial(self.model.variables, inner.variables)  # process 0's (over processes)
         self._state = ReplicaLoop(self, [keras_step.tf_variable(v) for v in own])
+
+    @property
+    def processes(self) -> Processes:
+        """The processes this job's replicas are spread over, for a sum of a
+        few numbers over them (`tf_adasum.processes.Processes`: what
+        `tf_adasum.BackupAndRestore` agrees through; a test accuracy over
+        shards): the workers, the MPI ranks, or this one process."""
+        processes = self.engine.processes
+        if processes is None:
+            return Processes.alone()
+        if isinstance(processes, MPIEngine):
+            return Processes.of(tf.distribute.get_strategy())
+        return Processes(
+            "worker", processes.rank, processes.num_replicas, lambda values, what: processes.sum_floats(values)
+        )
 
     @property
     def replica_variables(self) -> list[tf.Variable]:

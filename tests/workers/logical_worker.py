@@ -1,7 +1,9 @@
 """One process of the logical-replica tests: L = 8 replicas of one job on
 however many processes run it (plain ``python``: all eight here; ``mpirun
 -np M``: 8 / M on each rank, e.g. started by ``tf-adasum launch --mpirun
---logical-replicas 8`` with elastic options).
+--logical-replicas 8`` with elastic options; ``tf-adasum launch -n M``: 8 / M
+on each worker of TF_CONFIG, which creates its MultiWorkerMirroredStrategy
+first, as TensorFlow requires).
 
     python logical_worker.py OUTDIR COMBINER MODE [PLAN.json]
 
@@ -33,6 +35,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+if len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("worker", [])) > 1:
+    tf.distribute.MultiWorkerMirroredStrategy()  # at the start: SimulatedReplicas spreads over its workers
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from elastic_worker import EPOCHS, STEPS, Plan, Restored  # noqa: E402
 
@@ -63,7 +68,8 @@ def replica_states(trainer):
 
 
 def main(out, combiner, mode, plan_path=None):
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    task = json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {})
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", task.get("index", 0)))
     keras.utils.set_random_seed(1 + rank)  # ranks start apart: the broadcast must make rank 0's the start
     layers = [keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.25), keras.layers.Dense(OUT)]
     model = keras.Sequential([keras.Input((IN,)), *layers])  # dropout: each replica's draws its own

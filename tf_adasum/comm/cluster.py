@@ -9,6 +9,7 @@
 * `task_addresses`, `task_hosts`: the ``(host, port)`` (the host) of every
   worker, in the same order.
 * `process_of`, `is_cpu`: what a device string says of its process and type.
+* `resolver_tasks`: the tasks of a cluster resolver that hold replicas, in order.
 
 Only public API: ``num_replicas_in_sync``, ``extended.worker_devices`` and the
 strategy's ``cluster_resolver`` (its cluster spec, task type and task id).
@@ -18,7 +19,16 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["cluster_devices", "is_cpu", "num_workers", "process_of", "task_addresses", "task_hosts", "task_index"]
+__all__ = [
+    "cluster_devices",
+    "is_cpu",
+    "num_workers",
+    "process_of",
+    "resolver_tasks",
+    "task_addresses",
+    "task_hosts",
+    "task_index",
+]
 
 #: The task types that hold replicas, in the strategy's replica order.
 _REPLICA_JOBS = ("chief", "worker")
@@ -67,6 +77,12 @@ def _tasks(strategy) -> list[tuple[str, int]]:
             f"{type(strategy).__name__} spans {num_workers(strategy)} workers but has no cluster_resolver; "
             "tf_adasum needs it to order the workers' devices."
         )
+    return resolver_tasks(resolver)
+
+
+def resolver_tasks(resolver) -> list[tuple[str, int]]:
+    """The ``(job, index)`` of every task of a cluster resolver that holds
+    replicas, in replica order: the chief first, then workers by index."""
     cluster = resolver.cluster_spec().as_dict()
     tasks = []
     for job in _REPLICA_JOBS:

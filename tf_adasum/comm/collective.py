@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_adasum.comm import cluster
 from tf_adasum.comm.collective_keys import KEYS, CollectiveKeys, canonical_device, device_sort_key
 
-__all__ = ["REMOTE_MESSAGE_BYTES", "TFCollectiveCommunicator"]
+__all__ = ["REMOTE_MESSAGE_BYTES", "TFCollectiveCommunicator", "carried", "ordering_token", "restored"]
 
 #: The default `max_message_bytes` between the CPUs of two processes (see
 #: `TFCollectiveCommunicator`).
@@ -40,7 +40,7 @@ _ORDERING_TOKENS: dict[tuple[str, int], tf.Tensor] = {}
 _TOKENS_LOCK = threading.Lock()
 
 
-def _ordering_token(device: str, slot: int = 0) -> tf.Tensor:
+def ordering_token(device: str, slot: int = 0) -> tf.Tensor:
     """A resource handle on `device` that orders its collectives in a tf.function
     (slot 0; a pairwise message split into pieces gives piece i slot i).
 
@@ -57,13 +57,13 @@ def _ordering_token(device: str, slot: int = 0) -> tf.Tensor:
         return _ORDERING_TOKENS[key]
 
 
-def _carried(x: tf.Tensor) -> tf.Tensor:
+def carried(x: tf.Tensor) -> tf.Tensor:
     """`x` in a dtype every collective kernel carries: gather and broadcast have
     no bfloat16 kernels, so bfloat16 travels bitcast to float16 (same width)."""
     return tf.bitcast(x, tf.float16) if x.dtype == tf.bfloat16 else x
 
 
-def _restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+def restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(x, dtype) if x.dtype != dtype else x
 
 
@@ -188,7 +188,7 @@ class TFCollectiveCommunicator:
                     piece,
                     group_key,
                     self._keys.instance_key(group_key, self.device),
-                    [_ordering_token(self.device, slot)],
+                    [ordering_token(self.device, slot)],
                     timeout,
                 )
                 for slot, piece in enumerate(pieces)
@@ -221,14 +221,14 @@ class TFCollectiveCommunicator:
 
         def gather(piece, group_key, instance_key, token, timeout):
             out = tf.raw_ops.CollectiveGatherV2(
-                input=_carried(piece),
+                input=carried(piece),
                 group_size=2,
                 group_key=group_key,
                 instance_key=instance_key,
                 ordering_token=token,
                 timeout_seconds=timeout,
             )
-            out = tf.reshape(_restored(out, piece.dtype), [2, -1])  # one row per member
+            out = tf.reshape(restored(out, piece.dtype), [2, -1])  # one row per member
             return tf.reverse(out, [0]) if reverse else out
 
         def assemble(outs):  # [member 0's x; member 1's x]
@@ -268,7 +268,7 @@ class TFCollectiveCommunicator:
                 group_size=len(members),
                 group_key=group_key,
                 instance_key=instance_key,
-                ordering_token=[_ordering_token(self.device)],
+                ordering_token=[ordering_token(self.device)],
                 merge_op="Add",
                 final_op="Id",
                 timeout_seconds=self._next_timeout(),
@@ -281,7 +281,7 @@ class TFCollectiveCommunicator:
         group_key, instance_key = self._keys_for((self.rank, peer))
         sent = self._chained(
             lambda: tf.raw_ops.CollectiveBcastSendV2(
-                input=_carried(x),
+                input=carried(x),
                 group_size=2,
                 group_key=group_key,
                 instance_key=instance_key,
@@ -300,9 +300,9 @@ class TFCollectiveCommunicator:
                 group_key=group_key,
                 instance_key=instance_key,
                 shape=tf.shape(like),
-                T=_carried(like).dtype,
+                T=carried(like).dtype,
                 timeout_seconds=self._next_timeout(),
             )
         )
         received.set_shape(like.shape)
-        return _restored(received, like.dtype)
+        return restored(received, like.dtype)

@@ -18,8 +18,6 @@ when the engine is built, in the same order on every rank.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 from collections.abc import Sequence
 
@@ -30,61 +28,29 @@ from tf_adasum import combiners as combiners_lib
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.comm import mpi_communicator, mpi_transport
 from tf_adasum.engines import mpi_native
-from tf_adasum.engines.base import Components, Engine, combine_with_communicators, variable_signature
+from tf_adasum.engines.base import Components, Engine, combine_with_communicators, differing_items, gather_strings
+from tf_adasum.engines.base import check_same_settings as base_check_same_settings
+from tf_adasum.engines.base import check_same_variables as base_check_same_variables
 from tf_adasum.tree import rvh
 from tf_adasum.tree.buckets import make_buckets
 
 __all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_names", "check_same_variables"]
 
 
-def _first_difference(a, b) -> str:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return f"first difference at position {i}: {x} vs {y}"
-    return f"the shorter list ends at position {min(len(a), len(b))}"
-
-
-def _gather_strings(comm, text: str, timeout: float, what: str) -> list[str]:
-    """Every rank's `text`, in rank order (two small gathers with deadlines; no pickling)."""
-    encoded = np.frombuffer(text.encode(), np.uint8)
-    lengths = mpi_transport.allgather(comm, np.array([encoded.size], np.int64), timeout, what)[:, 0]
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[: encoded.size] = encoded
-    rows = mpi_transport.allgather(comm, padded, timeout, what)
-    return [bytes(row[:n]).decode() for row, n in zip(rows, lengths)]
-
-
-def _differing(comm, items: list, timeout: float, what: str) -> list[list] | None:
-    """None when every rank of `comm` holds equal JSON-serialisable `items`;
-    else every rank's items. One 32-byte digest per rank is gathered first,
-    the items themselves only when they differ."""
-    text = json.dumps(items)
-    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-    digests = mpi_transport.allgather(comm, digest, timeout, f"the check that the {what} agree")
-    if (digests == digests[0]).all():
-        return None
-    return [json.loads(t) for t in _gather_strings(comm, text, timeout, f"the comparison of the {what}")]
+def _allgather(comm, timeout: float):
+    """``allgather(array, what)`` over the ranks of `comm` (see `tf_adasum.engines.base.differing_items`)."""
+    return lambda array, what: mpi_transport.allgather(comm, array, timeout, what)
 
 
 def check_same_variables(comm, variables: Sequence, what: str, timeout: float) -> None:
     """Raises ValueError on every rank of `comm` unless all hold the same
     variable list (shapes, dtypes, order)."""
-    everyone = _differing(comm, variable_signature(variables), timeout, what)
-    if everyone is None:
-        return
-    signatures = [[(tuple(shape), dtype) for shape, dtype in items] for items in everyone]
-    differing = [r for r, s in enumerate(signatures) if s != signatures[0]]
-    first = differing[0]
-    raise ValueError(
-        f"The {what} differ across MPI ranks (shapes, dtypes or order): rank 0 has {len(signatures[0])}, "
-        f"rank {first} has {len(signatures[first])}; {_first_difference(signatures[0], signatures[first])}. "
-        f"Ranks differing from rank 0: {differing}. Every rank must build the same model."
-    )
+    base_check_same_variables(_allgather(comm, timeout), variables, what, "rank", "MPI ranks")
 
 
 def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> None:
     """Raises ValueError on every rank of `comm` unless all hold the same `names`."""
-    everyone = _differing(comm, list(names), timeout, what)
+    everyone = differing_items(_allgather(comm, timeout), list(names), what)
     if everyone is None:
         return
     first = next(r for r, items in enumerate(everyone) if items != everyone[0])
@@ -97,20 +63,8 @@ def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> N
 def check_same_settings(comm, settings: dict, what: str, timeout: float) -> None:
     """Raises ValueError on every rank of `comm` unless all hold the same
     `settings` (a JSON-serialisable dict), naming rank 0's and the first
-    differing rank's."""
-    everyone = _differing(comm, settings, timeout, what)
-    if everyone is None:
-        return
-    first = next(r for r, items in enumerate(everyone) if items != everyone[0])
-    differing = {
-        k: (everyone[0].get(k), everyone[first].get(k))
-        for k in everyone[0]
-        if everyone[0].get(k) != everyone[first].get(k)
-    }
-    raise ValueError(
-        f"The {what} differ across MPI ranks: rank 0 has {everyone[0]}, rank {first} has {everyone[first]} "
-        f"(differing: {differing}). Every rank must run the same program."
-    )
+    differing rank's (`tf_adasum.engines.base.check_same_settings`)."""
+    base_check_same_settings(_allgather(comm, timeout), settings, what, "rank", "MPI ranks")
 
 
 def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) -> None:
@@ -136,7 +90,7 @@ def agree_on_native(comm, timeout: float):
     able = mpi_transport.allgather(comm, np.array([module is not None], np.uint8), timeout, what)[:, 0]
     if able.all():
         return module
-    reasons = _gather_strings(comm, reason or "", timeout, what)
+    reasons = gather_strings(_allgather(comm, timeout), reason or "", what)
     unable = ", ".join(f"rank {r} ({reasons[r]})" for r in np.flatnonzero(able == 0))
     warnings.warn(
         f"tf_adasum: the native MPI ops are unavailable on {unable}. Every rank's MPI engine uses its Python "

@@ -24,6 +24,7 @@ from tf_adasum.engines.base import Engine
 from tf_adasum.engines.mpi import MPIEngine
 from tf_adasum.engines.simulated import replicas_per_process
 from tf_adasum.engines.tf import TFEngine
+from tf_adasum.engines.workers import WorkerProcesses
 from tf_adasum.launcher.elastic import REPLICAS_VARIABLE
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "replica_processes",
     "resolve_compression",
     "strategy_compression",
+    "tf_config_workers",
 ]
 
 #: Environment variables MPI launchers set to the world size (Open MPI,
@@ -47,8 +49,9 @@ __all__ = [
 LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
 
 BACKENDS = ("auto", "tf", "mpi")
-#: Where `tf_adasum.SimulatedReplicas` runs its replicas: all in this process, or spread over MPI ranks.
-SIMULATION_BACKENDS = ("auto", "local", "mpi")
+#: Where `tf_adasum.SimulatedReplicas` runs its replicas: all in this process, or spread over MPI ranks
+#: or over the workers of TF_CONFIG.
+SIMULATION_BACKENDS = ("auto", "local", "mpi", "workers")
 
 
 def launcher_world_size() -> int:
@@ -73,13 +76,21 @@ def mpi_world() -> mpi_transport.World:
     return mpi_transport.world(launcher_world_size())
 
 
-def replica_processes(backend: str, num_replicas: int) -> MPIEngine | None:
+def tf_config_workers() -> int:
+    """The chief and worker tasks ``TF_CONFIG`` names (0 when it is unset or names none)."""
+    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()
+    return sum(len(spec.get(job, ())) for job in ("chief", "worker"))
+
+
+def replica_processes(backend: str, num_replicas: int) -> MPIEngine | WorkerProcesses | None:
     """The processes over which `tf_adasum.SimulatedReplicas` spreads its
-    `num_replicas` replicas: an `MPIEngine` over the ranks (``"mpi"``; with
-    ``"auto"``, when an MPI launcher started several), or None (``"local"``:
-    all in this process). Raises before any MPI call when `backend` is
-    unknown, when ``tf-adasum launch --logical-replicas`` announced another
-    count (`REPLICAS_VARIABLE`), or when the ranks the launcher announced
+    `num_replicas` replicas: an `MPIEngine` over the ranks (``"mpi"``), the
+    workers of ``TF_CONFIG`` (``"workers"``: `WorkerProcesses`), or None
+    (``"local"``: all in this process). ``"auto"``: the ranks when an MPI
+    launcher started several, else the workers when ``TF_CONFIG`` names
+    several, else this process. Raises before any exchange when `backend`
+    is unknown, when ``tf-adasum launch --logical-replicas`` announced
+    another count (`REPLICAS_VARIABLE`), or when the processes announced
     cannot hold the replicas (`tf_adasum.engines.simulated.replicas_per_process`)."""
     if backend not in SIMULATION_BACKENDS:
         raise ValueError(f"`backend` must be one of {SIMULATION_BACKENDS}. Received: backend={backend!r}")
@@ -89,10 +100,22 @@ def replica_processes(backend: str, num_replicas: int) -> MPIEngine | None:
             f"The launcher runs this job with {REPLICAS_VARIABLE}={announced} (tf-adasum launch "
             f"--logical-replicas), and this model has num_replicas={num_replicas}: give both the same count."
         )
-    if backend == "local" or (backend == "auto" and not launched_by_mpi()):
+    if backend == "auto":
+        backend = "mpi" if launched_by_mpi() else "workers" if tf_config_workers() > 1 else "local"
+    if backend == "local":
         return None
-    replicas_per_process(num_replicas, launcher_world_size())  # before MPI starts
-    return MPIEngine(mpi_world())
+    if backend == "mpi":
+        replicas_per_process(num_replicas, launcher_world_size())  # before MPI starts
+        return MPIEngine(mpi_world())
+    workers = tf_config_workers()
+    if workers < 2:
+        raise ValueError(
+            "SimulatedReplicas(backend='workers') spreads its replicas over the workers TF_CONFIG names "
+            f"(e.g. under `tf-adasum launch -n M`), and it names {workers}. Received: "
+            f"TF_CONFIG={os.environ.get('TF_CONFIG', '')!r}"
+        )
+    replicas_per_process(num_replicas, workers)  # before any exchange
+    return WorkerProcesses.from_tf_config()
 
 
 def choose_backend(backend: str, strategy) -> str:

@@ -49,8 +49,9 @@ from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
 __all__ = ["CPU", "SimulatedEngine", "components", "per_replica", "replicas_per_process"]
 
-#: The device every simulated replica lives on: this process's first CPU.
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
+#: The device every simulated replica lives on: this process's first CPU
+#: (no job: "localhost" in one process, the worker's own in a cluster).
+CPU = "/device:CPU:0"
 
 
 def per_replica(components: Sequence[tf.Tensor]):

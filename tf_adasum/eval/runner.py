@@ -128,7 +128,11 @@ def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
         from tf_adasum.simulation import SimulatedReplicas
 
         model = SimulatedReplicas(
-            model, config.replicas, combiner=config.combiner, backward_passes_per_step=config.local_steps
+            model,
+            config.replicas,
+            combiner=config.combiner,
+            backward_passes_per_step=config.local_steps,
+            backend="local",  # the simulated engine: every replica in this process
         )
     model.compile(
         optimizer=optimizer_for(config, steps_per_epoch),

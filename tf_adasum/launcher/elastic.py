@@ -21,8 +21,8 @@ what makes the rounds one run. Each worker finds its round in
 ``TF_ADASUM_ELASTIC_ROUND`` (0, 1, ...).
 
 Logical replicas (``--logical-replicas L``, for `tf_adasum.SimulatedReplicas`
-with ``num_replicas=L`` under ``--mpirun``): a round runs on the largest
-count that holds L (`holding_counts`: each rank's L / M replicas a subtree of
+with ``num_replicas=L``, on workers or with ``--mpirun``): a round runs on the largest
+count that holds L (`holding_counts`: each process's L / M replicas a subtree of
 Adasum's tree; every divisor of L when L is a power of two), the other
 available workers spare: 3 available for L = 8 run 2. The workers find L in
 ``TF_ADASUM_LOGICAL_REPLICAS``, and `SimulatedReplicas` refuses another.
@@ -207,12 +207,11 @@ OPTIONS = {
     "wait_seconds": "--wait",
     "logical_replicas": "--logical-replicas",
     "hosts": "--hosts",
-    "mpirun": "--mpirun",
 }
 
 
 def settings(
-    num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, mpirun=False, logical_replicas=None
+    num_workers, min_workers, max_restarts, discover, wait_seconds, hosts=None, logical_replicas=None
 ) -> Elastic:
     """`launch`'s elastic arguments, checked (a `TypeError` or `ValueError` naming the argument)."""
     elastic = Elastic(num_workers if min_workers is None else min_workers, num_workers, max_restarts)
@@ -222,11 +221,6 @@ def settings(
         raise ValueError(
             "`min_workers` below the workers asked for needs `discover` (without it every worker is always "
             f"available). Received: min_workers={elastic.min_workers}, discover=None"
-        )
-    if logical_replicas is not None and not mpirun:
-        raise ValueError(
-            "`logical_replicas` (tf_adasum.SimulatedReplicas) run as MPI ranks: add `mpirun`. "
-            f"Received: logical_replicas={logical_replicas}, mpirun=False"
         )
     if elastic.is_elastic() and hosts is not None and elastic.min_workers < hosts:
         raise ValueError(
@@ -274,7 +268,7 @@ def add_options(parser) -> None:
         "--logical-replicas",
         type=int,
         metavar="L",
-        help="the job's replica count (tf_adasum.SimulatedReplicas, --mpirun): each round runs the largest "
+        help="the job's replica count (tf_adasum.SimulatedReplicas): each round runs the largest "
         "count of workers that holds L, the others spare",
     )
 
