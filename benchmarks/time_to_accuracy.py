@@ -24,15 +24,20 @@ one replica per machine:
   u_link = u + 2 / B, u'_link = u' + 2 / B
 
 where a, u, a', u' are the cost model's constants (software: messages,
-copies and arithmetic) and B the link's rate in bytes per second: halving
-and gathering (or the ring's two passes) each send S (N-1)/N bytes through
-every machine's link. "this machine" adds no wire (the constants were fitted
-on loopback). The constants are the fit published in the benchmarks guide
+copies and arithmetic) and B the link's rate in TCP payload bytes per second
+(`payload_rate`: a full Ethernet frame of 1538 bytes on the wire carries
+1448 bytes of payload, so 1 GbE carries 0.118 GB/s): halving and gathering
+(or the ring's two passes) each send S (N-1)/N bytes through every
+machine's link. "this machine" adds no wire (the constants were fitted on
+loopback). The constants are the fit published in the benchmarks guide
 (`DEFAULT_CONSTANTS`, worker processes on this 2-core machine, 2026-12-04),
 or fitted again from `benchmarks/collective.py` records with
-``--collective RECORDS.jsonl``. The model leaves out what a real cluster adds:
-switch latency, congestion, stragglers; and what it removes: the 2-core
-machine's contention (the fit's ``cores``).
+``--collective RECORDS.jsonl``. `combine_seconds` also takes the cores that
+N processes share (then u and u' grow by c(N) = max(1, N / cores), as in
+the fit) and a 16-bit wire; `benchmarks/link_model.py` uses both to check the
+model against the collective's records on emulated links. The model leaves
+out what a real cluster adds: switch latency, congestion, stragglers; and
+what it removes: the 2-core machine's contention (the fit's ``cores``).
 
 Usage:
   python benchmarks/time_to_accuracy.py results/replicas/results.jsonl [--plot score.png]
@@ -54,22 +59,62 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cost_model  # noqa: E402
 
-from tf_adasum.eval import metrics  # noqa: E402
-
 #: a, u, a', u' (seconds, seconds per byte): fitted to the worker processes of
 #: the N sweep in docs/guide/benchmarks.md ("Fitted to the N sweep", 2026-12-04).
 DEFAULT_CONSTANTS = {"a": 0.75e-3, "u": 1 / 0.84e9, "a_ring": 1.34e-3, "u_ring": 1 / 0.40e9}
-#: Interconnects: name -> link rate in bytes per second (None: no wire).
-LINKS = {"this machine": None, "1 GbE": 1e9 / 8, "10 GbE": 10e9 / 8, "100 GbE": 100e9 / 8}
+#: TCP payload of a full Ethernet frame (MTU 1500): less the IPv4 and TCP
+#: headers (20 + 20 bytes) and TCP's timestamp option (12 bytes).
+TCP_PAYLOAD = 1448
+#: What a full frame occupies on an Ethernet link: 1500 bytes, its header and
+#: checksum (14 + 4), the preamble and the gap between frames (8 + 12).
+ETHERNET_FRAME = 1538
+#: Bytes on a 16-bit wire per byte of float32 values: 2 bytes a value, and a
+#: block of `tf_adasum.ops.BLOCK` (128) values carries its exponent in 4 bytes.
+COMPRESSED_WIRE = (128 * 2 + 4) / (128 * 4)
+
+
+def payload_rate(bits_per_second: float, frame: int = ETHERNET_FRAME) -> float:
+    """TCP payload bytes per second through a link of `bits_per_second`, in
+    full frames of `frame` bytes (each carrying `TCP_PAYLOAD`)."""
+    return bits_per_second / 8 * TCP_PAYLOAD / frame
+
+
+#: Interconnects: name -> TCP payload rate in bytes per second (None: no wire).
+LINKS = {"this machine": None, "1 GbE": payload_rate(1e9), "10 GbE": payload_rate(10e9), "100 GbE": payload_rate(100e9)}
 TRAINING_EXAMPLES = {"mnist": 60_000, "fashion_mnist": 60_000}
 
 
-def combine_seconds(combiner: str, n: int, size: float, constants: dict, rate: float | None) -> float:
-    """One combine of an S-byte gradient over N machines on a link of `rate` bytes/s."""
+def combine_seconds(
+    combiner: str,
+    n: int,
+    size: float,
+    constants: dict,
+    rate: float | None,
+    *,
+    cores: int | None = None,
+    compressed: bool = False,
+) -> float:
+    """One combine of an S-byte gradient over N machines on a link of `rate`
+    payload bytes/s (None: no wire).
+
+    Args:
+      cores: the cores the N processes share (None: a machine each); the
+        software's per-byte costs u and u' then grow by c(N) = max(1, N / cores)
+        (`cost_model.contention`). The link is each machine's own.
+      compressed: a 16-bit wire (Adasum only): `COMPRESSED_WIRE` of the bytes
+        through the link, and ``constants["u_code"]`` seconds per byte of the
+        halved slices for encoding and decoding them.
+    """
     if n == 1:
         return 0.0
     wire = 0.0 if rate is None else 2.0 / rate
     a, u, a_ring, u_ring = (constants[k] for k in cost_model.PARAMS)
+    contention = cost_model.contention(n, cores)
+    u, u_ring = contention * u, contention * u_ring
+    if compressed:
+        if combiner != "adasum":
+            raise ValueError(f"A compressed wire is modelled for Adasum only. Received: combiner={combiner!r}")
+        u, wire = u + contention * constants["u_code"], wire * COMPRESSED_WIRE
     p = int(math.floor(math.log2(n)))
     folded = n > 1 << p
     moved = size * (1.0 - 2.0**-p) + (size if folded else 0.0)
@@ -112,6 +157,8 @@ def _steps_per_epoch(r: dict) -> int:
 
 def scores(records: list[dict], constants: dict, step_ms: float | None = None) -> list[dict]:
     """The JSON rows (see the module docstring)."""
+    from tf_adasum.eval import metrics
+
     t_steps = step_seconds(records)
     sizes: dict[str, int] = {}
     groups: dict[tuple, list[dict]] = {}

@@ -2,7 +2,8 @@
 failure, at the size a discovery command gives, resuming from their backup.
 
 The scenarios of torchrun's and Horovod elastic's tests, with our exactness:
-a worker SIGKILLed mid-run (the run completes on the weights and every
+a worker SIGKILLed mid-run, or its emulated host's link cut under
+``--mpirun`` (the run completes on the weights and every
 worker's optimizer state of an uninterrupted run, bitwise, the step counter
 epochs x steps); a discovery schedule 2 -> 4 -> 2 giving exactly those sizes
 (after each resize every worker holds the backup's weights and its saved
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess import TESTS, worker_env
+from multiprocess import TESTS, needs_emulated_hosts, worker_env
 
 from tf_adasum import launch
 
@@ -35,12 +36,12 @@ def _launch(arguments, tmp_path, timeout=600, env=None):
     return subprocess.run(command, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def _train(tmp_path, name, arguments, plan):
+def _train(tmp_path, name, arguments, plan, env=None):
     out = tmp_path / name
     out.mkdir()
     (out / "plan.json").write_text(json.dumps(plan))
     (out / "slots").write_text("2\n")
-    result = _launch([*arguments, ELASTIC_WORKER, str(out), str(out / "plan.json")], tmp_path)
+    result = _launch([*arguments, ELASTIC_WORKER, str(out), str(out / "plan.json")], tmp_path, env=env)
     return out, result
 
 
@@ -62,14 +63,27 @@ def _rounds(out, rank=0):
     return rounds
 
 
-@pytest.mark.multiworker
-def test_a_sigkilled_worker_is_relaunched_and_the_run_ends_exactly(tmp_path):
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param("kill", marks=pytest.mark.multiworker),
+        pytest.param("cut", marks=[pytest.mark.mpi, needs_emulated_hosts]),
+    ],
+)
+def test_a_failed_worker_is_relaunched_and_the_run_ends_exactly(tmp_path, fault):
     """Round 0 first trains the reference, uninterrupted, in a folder of its
-    own; then worker 1 is SIGKILLed as batch 9 begins; round 1 resumes from
-    the backup of 8 batches. (Under mpirun the launcher's restart is the same;
-    the resize test runs there.)"""
-    plan = {"kill": [0, 1, 9], "reference": True}
-    out, result = _train(tmp_path, "elastic", ["-n", "2", "--max-restarts", "1"], plan)
+    own; then worker 1 is SIGKILLed as batch 9 begins ("kill", on this
+    machine), or, under ``--mpirun`` across 2 emulated hosts ("cut"), rank
+    1's host loses its link then: both ranks' MPI calls time out
+    (``TF_ADASUM_MPI_TIMEOUT``) and mpirun fails. Round 1 (on hosts made
+    anew) resumes from the backup of 8 batches."""
+    plan = {fault: [0, 1, 9], "reference": True}
+    arguments = ["-n", "2", "--max-restarts", "1"]
+    env = None
+    if fault == "cut":
+        arguments += ["--mpirun", "--hosts", "2", "--link", "1gbit"]
+        env = worker_env(TF_ADASUM_MPI_TIMEOUT="15")
+    out, result = _train(tmp_path, "elastic", arguments, plan, env)
     output = result.stdout[-4000:] + result.stderr[-4000:]
     assert result.returncode == 0, output
     assert "round 1: 2 workers" in result.stderr and "restart 1 of 1" in result.stderr, output

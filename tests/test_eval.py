@@ -213,11 +213,28 @@ def test_custom_grid_skips_keras_with_local_steps():
         (["--combiners", "keras", "--local-steps", "2"], "grid is empty"),
         (["--engine", "mpi", "--combiners", "keras-scaled"], "Received: combiner='keras-scaled', engine='mpi'"),
         (["--combiners", "keras-scaled", "--local-steps", "2"], "grid is empty"),
+        (["--hosts", "2", "--link", "1gbit"], r"Received: hosts=2, engine='local-devices', replicas=4, link='1gbit'"),
+        (["--engine", "tf-collective", "--hosts", "5", "--link", "1gbit"], "hosts=5, engine='tf-collective', rep"),
+        (["--engine", "tf-collective", "--hosts", "2"], r"replicas=4, link=''"),
+        (["--engine", "tf-collective", "--link", "1gbit"], r"`link` needs `hosts`. Received: link='1gbit', hosts=0"),
     ],
 )
 def test_bad_grid_values(argv, match, capsys):
     assert cli.main(argv) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_records_from_before_the_hosts_field_read_as_this_machine():
+    """Committed records lack ``hosts`` and ``link``: `--resume` reads them as 0 and ""."""
+    import dataclasses
+
+    from tf_adasum.eval import summary
+    from tf_adasum.eval.config import RunConfig
+
+    fields = [f.name for f in dataclasses.fields(RunConfig) if f.name not in ("hosts", "link")]
+    old = {name: getattr(RunConfig(), name) for name in fields}
+    assert summary.config_of(old) == RunConfig()
+    assert summary.config_of({**old, "engine": "tf-collective", "hosts": 2, "link": "1gbit"}).hosts == 2
 
 
 # -- a tiny end-to-end run --------------------------------------------------------------------
@@ -376,6 +393,8 @@ def test_run_config_fields_match_the_record():
         "seed",
         "train_examples",
         "test_examples",
+        "hosts",
+        "link",
     }
     assert isinstance(cli._parse_args([]), argparse.Namespace)
 

@@ -39,6 +39,7 @@ LAYERS = {
     "engines.tf": 5,
     "engines.simulated": 5,
     "engines.mpi": 5,
+    "engines.agreement": 4.5,  # what processes must agree on, over any small all-gather: over engines.base
     "engines.workers": 5,  # over comm.collective and engines.base: the workers of a cluster as processes
     "engines.select": 6,
     "cross_device_ops": 7,

@@ -96,6 +96,7 @@ def test_adacons_in_gradient_mode_gives_the_same_model_on_2_processes(tmp_path, 
     _assert_same(_run(2, tmp_path / "two", "adacons", "gradient"), one_process_adacons, "")
 
 
+@pytest.mark.multiworker
 def test_adacons_gives_the_same_model_on_2_workers(tmp_path, one_process_adacons):
     """On the workers of TF_CONFIG (``tf-adasum launch -n 2``), which
     exchange over TF collective ops: AdaCons in gradient mode (the blocks
@@ -107,7 +108,9 @@ def test_adacons_gives_the_same_model_on_2_workers(tmp_path, one_process_adacons
     assert held == [{"first": 0, "count": 4}, {"first": 4, "count": 4}]
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), "workers"])
+@pytest.mark.parametrize(
+    "launcher", [pytest.param("mpirun", marks=pytest.mark.mpi), pytest.param("workers", marks=pytest.mark.multiworker)]
+)
 def test_an_elastic_run_through_a_spare_and_two_resizes_ends_with_the_uninterrupted_model(
     tmp_path, launcher, one_process
 ):
@@ -250,7 +253,7 @@ def test_workers_that_cannot_run_the_replicas_are_one_error_before_any_exchange(
     before creating its MultiWorkerMirroredStrategy (this one)."""
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    with pytest.raises(ValueError, match=r"backend='workers'\) spreads .* and it names 0\. Received: TF_CONFIG=''"):
+    with pytest.raises(ValueError, match=r"it names 0 with this process among them\. Received: TF_CONFIG=''"):
         tf_adasum.SimulatedReplicas(model, 8, backend="workers")
 
     def cluster(workers):

@@ -59,13 +59,13 @@ if __package__:
     from tf_adasum.launcher import children, elastic, helper, tf_config
     from tf_adasum.launcher.children import NetworkIsolationError
     from tf_adasum.launcher.elastic import ElasticError
-    from tf_adasum.launcher.mpirun import emulated_hosts_command, mpirun_command, require_mpirun
+    from tf_adasum.launcher.mpirun import LOST_DAEMON_LINE, emulated_hosts_command, mpirun_command, require_mpirun
 else:  # run by path (python [-I -S] tf_adasum/launch.py): the package beside it, without tf_adasum's (TF's) import
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from launcher import children, elastic, helper, tf_config
     from launcher.children import NetworkIsolationError
     from launcher.elastic import ElasticError
-    from launcher.mpirun import emulated_hosts_command, mpirun_command, require_mpirun
+    from launcher.mpirun import LOST_DAEMON_LINE, emulated_hosts_command, mpirun_command, require_mpirun
 
 __all__ = ["ElasticError", "NetworkIsolationError", "launch", "main"]
 
@@ -136,7 +136,7 @@ def _launch_mpirun(
             flush=True,
         )
         on_host_0 = [*children.helper_command("enter", addresses[0]), *mpirun, *command]
-        return children.run([children.Child(on_host_0, env, "[mpirun] ")], resize=resize)
+        return children.run([children.Child(on_host_0, env, "[mpirun] ", failure_line=LOST_DAEMON_LINE)], resize=resize)
     finally:
         for fd in network:  # held until mpirun is gone: its daemons enter the hosts through them
             os.close(fd)

@@ -15,7 +15,12 @@ this process belongs to:
   ``COMM_WORLD``; the sum is an MPI allreduce on the communicator of
   `tf_adasum.mpi`'s helpers, under ``TF_ADASUM_MPI_TIMEOUT``;
 * ``"process"``: otherwise, one process (no strategy, a MirroredStrategy,
-  `tf_adasum.SimulatedReplicas`): index 0 of 1; the sum is the values.
+  `tf_adasum.SimulatedReplicas` in one process): index 0 of 1; the sum is
+  the values.
+
+`tf_adasum.SimulatedReplicas` spread over ranks or workers (logical
+replicas) runs outside any strategy: its ``processes`` property gives its
+own (`BackupAndRestore` takes it).
 
 `BackupAndRestore` checks with it that every process found the same backup;
 the scaling evaluation and ``examples/mnist_multiworker.py`` sum their test

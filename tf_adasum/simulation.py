@@ -89,7 +89,6 @@ import tensorflow as tf
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.engines import select
-from tf_adasum.engines.mpi import MPIEngine
 from tf_adasum.engines.simulated import SimulatedEngine
 from tf_adasum.processes import Processes
 from tf_adasum.step import keras_step
@@ -149,8 +148,7 @@ class SimulatedReplicas(keras.Model):
             combiner=combiner, mode=mode, backward_passes_per_step=backward_passes_per_step
         )
         self.model = model
-        processes = select.replica_processes(backend, num_replicas)  # every check first, then MPI
-        self.backend = "local" if processes is None else "mpi" if isinstance(processes, MPIEngine) else "workers"
+        self.backend, processes = select.replica_processes(backend, num_replicas)  # every check first
         self.engine = SimulatedEngine(num_replicas, processes=processes)
         self.num_replicas = num_replicas
         self._state = None
@@ -210,11 +208,7 @@ class SimulatedReplicas(keras.Model):
         processes = self.engine.processes
         if processes is None:
             return Processes.alone()
-        if isinstance(processes, MPIEngine):
-            return Processes.of(tf.distribute.get_strategy())
-        return Processes(
-            "worker", processes.rank, processes.num_replicas, lambda values, what: processes.sum_floats(values)
-        )
+        return Processes(processes.kind, processes.replica_id(), processes.num_replicas, processes.sum_floats)
 
     @property
     def replica_variables(self) -> list[tf.Variable]:

@@ -15,7 +15,9 @@ The plan (JSON) says what happens in which round (``TF_ADASUM_ELASTIC_ROUND``):
 ``{"reference": true}`` first trains the same job uninterrupted in
 ``OUTDIR/reference_backup`` (round 0 only; ``reference_rank{I}.npz``);
 ``{"kill": [ROUND, RANK, BATCH]}`` SIGKILLs that worker as the run's batch
-BATCH begins; ``{"slots": [[ROUND, TRAINED, COUNT], ...]}`` makes worker 0
+BATCH begins; ``{"cut": [ROUND, RANK, BATCH]}`` takes that worker's host's
+link down then (on an emulated host of ``--hosts``: its peers' exchanges
+then time out); ``{"slots": [[ROUND, TRAINED, COUNT], ...]}`` makes worker 0
 replace ``OUTDIR/slots`` (which the test's discovery command prints) by
 COUNT once it has trained TRAINED batches in that round.
 
@@ -30,6 +32,7 @@ optimizer variable.
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -80,6 +83,8 @@ class Plan(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.plan.get("kill") == [self.round, self.rank, self.epoch * STEPS + batch]:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.plan.get("cut") == [self.round, self.rank, self.epoch * STEPS + batch]:
+            subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
 
     def on_train_batch_end(self, batch, logs=None):
         restored = self.restoring.restored_epoch * STEPS + self.restoring.restored_batch

@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 if len(json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {}).get("worker", [])) > 1:
-    tf.distribute.MultiWorkerMirroredStrategy()  # at the start: SimulatedReplicas spreads over its workers
+    # At the start, and kept: SimulatedReplicas spreads over its workers (its heartbeat watches them).
+    STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from elastic_worker import EPOCHS, STEPS, Plan, Restored  # noqa: E402

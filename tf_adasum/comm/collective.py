@@ -23,14 +23,21 @@ order on every device.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
 from tf_adasum.comm import cluster
 from tf_adasum.comm.collective_keys import KEYS, CollectiveKeys, canonical_device, device_sort_key
 
-__all__ = ["REMOTE_MESSAGE_BYTES", "TFCollectiveCommunicator", "carried", "ordering_token", "restored"]
+__all__ = [
+    "REMOTE_MESSAGE_BYTES",
+    "TFCollectiveCommunicator",
+    "carried",
+    "closing_exchange",
+    "ordering_token",
+    "restored",
+]
 
 #: The default `max_message_bytes` between the CPUs of two processes (see
 #: `TFCollectiveCommunicator`).
@@ -65,6 +72,20 @@ def carried(x: tf.Tensor) -> tf.Tensor:
 
 def restored(x: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(x, dtype) if x.dtype != dtype else x
+
+
+def closing_exchange(exchange: Callable[[], object]) -> None:
+    """Runs `exchange`, an empty collective every process calls at the same
+    point after a small one whose result it may raise or exit on, so that no
+    process leaves while a peer still receives: a process finishes it only
+    after every process has entered it, that is, holds its result. It can
+    fail only where a peer has left after finishing it (then this process's
+    result is complete): that failure is ignored. (A failed collective may
+    leave this process's collectives aborted; the next one then says so.)"""
+    try:
+        exchange()
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError):
+        pass
 
 
 def _joined(pieces: list[tf.Tensor], axis: int) -> tf.Tensor:

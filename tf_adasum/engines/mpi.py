@@ -27,10 +27,9 @@ import tensorflow as tf
 from tf_adasum import combiners as combiners_lib
 from tf_adasum.comm import compression as compression_lib
 from tf_adasum.comm import mpi_communicator, mpi_transport
-from tf_adasum.engines import mpi_native
-from tf_adasum.engines.base import Components, Engine, combine_with_communicators, differing_items, gather_strings
-from tf_adasum.engines.base import check_same_settings as base_check_same_settings
-from tf_adasum.engines.base import check_same_variables as base_check_same_variables
+from tf_adasum.engines import agreement, mpi_native
+from tf_adasum.engines.agreement import differing_items, gather_strings, has_value
+from tf_adasum.engines.base import Components, Engine, combine_with_communicators
 from tf_adasum.tree import rvh
 from tf_adasum.tree.buckets import make_buckets
 
@@ -38,14 +37,14 @@ __all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_na
 
 
 def _allgather(comm, timeout: float):
-    """``allgather(array, what)`` over the ranks of `comm` (see `tf_adasum.engines.base.differing_items`)."""
+    """``allgather(array, what)`` over the ranks of `comm` (see `tf_adasum.engines.agreement.differing_items`)."""
     return lambda array, what: mpi_transport.allgather(comm, array, timeout, what)
 
 
 def check_same_variables(comm, variables: Sequence, what: str, timeout: float) -> None:
     """Raises ValueError on every rank of `comm` unless all hold the same
     variable list (shapes, dtypes, order)."""
-    base_check_same_variables(_allgather(comm, timeout), variables, what, "rank", "MPI ranks")
+    agreement.check_same_variables(_allgather(comm, timeout), variables, what, "rank", "MPI ranks")
 
 
 def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> None:
@@ -63,8 +62,8 @@ def check_same_names(comm, names: Sequence[str], what: str, timeout: float) -> N
 def check_same_settings(comm, settings: dict, what: str, timeout: float) -> None:
     """Raises ValueError on every rank of `comm` unless all hold the same
     `settings` (a JSON-serialisable dict), naming rank 0's and the first
-    differing rank's (`tf_adasum.engines.base.check_same_settings`)."""
-    base_check_same_settings(_allgather(comm, timeout), settings, what, "rank", "MPI ranks")
+    differing rank's (`tf_adasum.engines.agreement.check_same_settings`)."""
+    agreement.check_same_settings(_allgather(comm, timeout), settings, what, "rank", "MPI ranks")
 
 
 def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) -> None:
@@ -73,12 +72,6 @@ def broadcast_variables(comm, variables: Sequence, root: int, timeout: float) ->
         value = mpi_transport.bcast(comm, variable.numpy(), root, timeout, f"the broadcast of {variable.name}")
         if comm.Get_rank() != root:
             variable.assign(value)
-
-
-def _has_value(variable) -> bool:
-    """False for a variable created in a `tf.function` being traced (it is
-    initialised when the function first runs; reading it gives an empty array)."""
-    return np.shape(variable.numpy()) == tuple(variable.shape)
 
 
 def agree_on_native(comm, timeout: float):
@@ -121,6 +114,7 @@ class MPIEngine(Engine):
         the vector-halving driver over mpi4py (the native tree sends full width).
     """
 
+    kind = "rank"  # what a process is called in messages and in `tf_adasum.processes.Processes`
     local_replicas = 1
 
     def __init__(
@@ -191,6 +185,12 @@ class MPIEngine(Engine):
             lambda v: mpi_transport.allgather(comm, v, timeout, what), [x], x.dtype, [size, *x.shape]
         )
 
+    def sum_floats(self, values: Sequence[float], what: str = "a sum over all ranks") -> list[float]:
+        """Eagerly, the float64 sums of `values` over the ranks (on the helpers'
+        communicator, under this engine's deadline); every rank calls it at the same point."""
+        summed = mpi_transport.allreduce_sum(self.world.helpers_comm, np.asarray(values), self.timeout_seconds, what)
+        return [float(v) for v in summed]
+
     @property
     def is_first_process(self) -> bool:
         return self.world.rank == 0
@@ -214,13 +214,13 @@ class MPIEngine(Engine):
         created by a build inside a `tf.function` have none yet and start from
         their initializers, the same on every rank. Eager (also while tracing)."""
         with tf.init_scope():
-            unset = [v.path for v in model_variables if not _has_value(v)]
+            unset = [v.path for v in model_variables if not has_value(v)]
             if unset:
                 raise ValueError(
                     "Under MPI, AdasumOptimizer broadcasts rank 0's weights before the first step, but these "
                     f"variables have no value yet: {unset[:5]}. Build the model before training (give it a "
                     "`keras.Input`, or call `model.build(input_shape)`)."
                 )
-            own = [v for v in optimizer_variables if _has_value(v)]
+            own = [v for v in optimizer_variables if has_value(v)]
             check_same_variables(self.world.comm, own, "optimizer variables", self.timeout_seconds)
             broadcast_variables(self.world.comm, list(model_variables) + own, 0, self.timeout_seconds)

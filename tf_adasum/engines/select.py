@@ -1,4 +1,6 @@
-"""Which engine combines: the one place that reads MPI launchers' variables.
+"""Which engine combines, and where simulated replicas run: the one place
+that reads MPI launchers' variables (and, for `replica_processes`, whether
+``TF_CONFIG`` names several workers).
 
 `make_engine` is called once, when `tf_adasum.AdasumOptimizer` is built:
 
@@ -10,6 +12,9 @@
   MPI launcher started this process with several ranks, else one replica.
 
 Combinations that would silently train each process alone raise.
+
+`replica_processes` chooses the processes `tf_adasum.SimulatedReplicas`
+spreads its replicas over: MPI ranks, the workers of ``TF_CONFIG``, or none.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tensorflow.python.distribute import collective_util
 from tf_adasum.comm import cluster, mpi_transport
 from tf_adasum.engines.base import Engine
 from tf_adasum.engines.mpi import MPIEngine
-from tf_adasum.engines.simulated import replicas_per_process
+from tf_adasum.engines.simulated import ReplicaProcesses, replicas_per_process
 from tf_adasum.engines.tf import TFEngine
 from tf_adasum.engines.workers import WorkerProcesses
 from tf_adasum.launcher.elastic import REPLICAS_VARIABLE
@@ -77,21 +82,25 @@ def mpi_world() -> mpi_transport.World:
 
 
 def tf_config_workers() -> int:
-    """The chief and worker tasks ``TF_CONFIG`` names (0 when it is unset or names none)."""
-    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec().as_dict()
-    return sum(len(spec.get(job, ())) for job in ("chief", "worker"))
+    """The chief and worker tasks ``TF_CONFIG`` names when this process is one
+    of them (0 when it is unset, or this process is another task: an
+    evaluator, a parameter server)."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    tasks = cluster.resolver_tasks(resolver)
+    return len(tasks) if (resolver.task_type, int(resolver.task_id or 0)) in tasks else 0
 
 
-def replica_processes(backend: str, num_replicas: int) -> MPIEngine | WorkerProcesses | None:
-    """The processes over which `tf_adasum.SimulatedReplicas` spreads its
-    `num_replicas` replicas: an `MPIEngine` over the ranks (``"mpi"``), the
-    workers of ``TF_CONFIG`` (``"workers"``: `WorkerProcesses`), or None
-    (``"local"``: all in this process). ``"auto"``: the ranks when an MPI
-    launcher started several, else the workers when ``TF_CONFIG`` names
-    several, else this process. Raises before any exchange when `backend`
-    is unknown, when ``tf-adasum launch --logical-replicas`` announced
-    another count (`REPLICAS_VARIABLE`), or when the processes announced
-    cannot hold the replicas (`tf_adasum.engines.simulated.replicas_per_process`)."""
+def replica_processes(backend: str, num_replicas: int) -> tuple[str, ReplicaProcesses | None]:
+    """Where `tf_adasum.SimulatedReplicas` spreads its `num_replicas`
+    replicas: ``("mpi", MPIEngine)`` over the ranks, ``("workers",
+    WorkerProcesses)`` over the workers of ``TF_CONFIG``, or ``("local",
+    None)``: all in this process. ``"auto"``: the ranks when an MPI launcher
+    started several, else the workers when ``TF_CONFIG`` names several
+    chief and worker tasks and this process is one, else this process.
+    Raises before any exchange when `backend` is unknown, when ``tf-adasum
+    launch --logical-replicas`` announced another count
+    (`REPLICAS_VARIABLE`), or when the processes announced cannot hold the
+    replicas (`tf_adasum.engines.simulated.replicas_per_process`)."""
     if backend not in SIMULATION_BACKENDS:
         raise ValueError(f"`backend` must be one of {SIMULATION_BACKENDS}. Received: backend={backend!r}")
     announced = os.environ.get(REPLICAS_VARIABLE, "")
@@ -103,19 +112,19 @@ def replica_processes(backend: str, num_replicas: int) -> MPIEngine | WorkerProc
     if backend == "auto":
         backend = "mpi" if launched_by_mpi() else "workers" if tf_config_workers() > 1 else "local"
     if backend == "local":
-        return None
+        return backend, None
     if backend == "mpi":
         replicas_per_process(num_replicas, launcher_world_size())  # before MPI starts
-        return MPIEngine(mpi_world())
+        return backend, MPIEngine(mpi_world())
     workers = tf_config_workers()
     if workers < 2:
         raise ValueError(
-            "SimulatedReplicas(backend='workers') spreads its replicas over the workers TF_CONFIG names "
-            f"(e.g. under `tf-adasum launch -n M`), and it names {workers}. Received: "
-            f"TF_CONFIG={os.environ.get('TF_CONFIG', '')!r}"
+            "SimulatedReplicas(backend='workers') spreads its replicas over the chief and worker tasks that "
+            f"TF_CONFIG names (e.g. under `tf-adasum launch -n M`), and it names {workers} with this process "
+            f"among them. Received: TF_CONFIG={os.environ.get('TF_CONFIG', '')!r}"
         )
     replicas_per_process(num_replicas, workers)  # before any exchange
-    return WorkerProcesses.from_tf_config()
+    return backend, WorkerProcesses.from_tf_config()
 
 
 def choose_backend(backend: str, strategy) -> str:

@@ -20,8 +20,9 @@ Values are `tf.distribute` per-replica values (`PerReplica`, `Mirrored`) with
 one component per simulated replica, as from a strategy, or lists built with
 `per_replica`.
 
-**Over processes (logical replicas).** Given ``processes``, an engine with
-one replica per process (`tf_adasum.engines.mpi.MPIEngine` over M ranks),
+**Over processes (logical replicas).** Given ``processes``
+(`ReplicaProcesses`: `tf_adasum.engines.mpi.MPIEngine` over M ranks, or
+`tf_adasum.engines.workers.WorkerProcesses` over the M workers of a cluster),
 the N replicas are spread over the M processes: process p holds the b = N / M
 contiguous replicas ``p*b .. (p+1)*b - 1``, which must form a subtree of the
 tree (`tf_adasum.reference.block_sizes`: every divisor of N when N is a power
@@ -37,6 +38,7 @@ levels' arithmetic repeated on every process.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
@@ -47,11 +49,39 @@ from tf_adasum.reference import block_sizes
 from tf_adasum.tree import rvh
 from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
-__all__ = ["CPU", "SimulatedEngine", "components", "per_replica", "replicas_per_process"]
+__all__ = ["CPU", "ReplicaProcesses", "SimulatedEngine", "components", "per_replica", "replicas_per_process"]
 
 #: The device every simulated replica lives on: this process's first CPU
 #: (no job: "localhost" in one process, the worker's own in a cluster).
 CPU = "/device:CPU:0"
+
+
+class ReplicaProcesses(Protocol):
+    """What `SimulatedEngine` asks of the processes it spreads replicas over,
+    one replica each (`tf_adasum.engines.mpi.MPIEngine`,
+    `tf_adasum.engines.workers.WorkerProcesses`). Every process makes the
+    same calls in the same order."""
+
+    kind: str  # "rank", "worker": one process, in messages and in `tf_adasum.processes.Processes`
+    num_replicas: int  # the process count M
+    local_replicas: int  # 1
+
+    def replica_id(self) -> int: ...  # this process's position
+
+    @property
+    def is_first_process(self) -> bool: ...
+
+    def gather_small(self, x) -> tf.Tensor: ...  # [M, *x.shape], bitwise the values sent
+
+    def sum_small(self, x) -> tf.Tensor: ...  # float64, the same bits everywhere
+
+    def sum_floats(self, values: Sequence[float], what: str = ...) -> list[float]: ...  # eagerly
+
+    def check_same_variables(self, variables: Sequence) -> None: ...
+
+    def check_same_settings(self, settings: dict, what: str) -> None: ...
+
+    def broadcast_initial(self, model_variables: Sequence, optimizer_variables: Sequence) -> None: ...
 
 
 def per_replica(components: Sequence[tf.Tensor]):
@@ -80,13 +110,13 @@ def replicas_per_process(num_replicas: int, count: int) -> int:
     return num_replicas // count
 
 
-def _check_processes(num_replicas: int, processes: Engine | None) -> int:
+def _check_processes(num_replicas: int, processes: ReplicaProcesses | None) -> int:
     """The replicas each process holds (see `replicas_per_process`)."""
     if processes is None:
         return num_replicas
     if processes.local_replicas != 1:
         raise ValueError(
-            "`processes` must be an engine with one replica per process (e.g. MPIEngine). Received: "
+            "`processes` must hold one replica per process (MPIEngine, WorkerProcesses). Received: "
             f"{type(processes).__name__} with {processes.local_replicas} replicas per process"
         )
     return replicas_per_process(num_replicas, processes.num_replicas)
@@ -134,8 +164,8 @@ class SimulatedEngine(Engine):
       num_replicas: N >= 1.
       bytes_per_pack: the fusion cap of `tf_adasum.tree.buckets.make_buckets` (0: one
         bucket per dtype, as `AdasumCrossDeviceOps` by default).
-      processes: None (every replica in this process), or an engine with one
-        replica per process whose count M can hold N as blocks of the tree.
+      processes: None (every replica in this process), or `ReplicaProcesses`
+        whose count M can hold N as blocks of the tree.
 
     In one process there are no processes to reach: the small sums and
     gathers are local arithmetic. Every replica is "this worker"
@@ -147,7 +177,7 @@ class SimulatedEngine(Engine):
       first_replica: the first of this process's replicas (0 in one process).
     """
 
-    def __init__(self, num_replicas: int, bytes_per_pack: int = 0, processes: Engine | None = None):
+    def __init__(self, num_replicas: int, bytes_per_pack: int = 0, processes: ReplicaProcesses | None = None):
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"`num_replicas` must be an int >= 1. Received: num_replicas={num_replicas!r}")
         self.num_replicas = num_replicas

@@ -81,15 +81,7 @@ def sum_over_workers(strategy, values: Sequence[float], timeout_seconds: float |
 
     with tf.init_scope(), tf.device(mine):
         total = [float(v) for v in add(list(values)).numpy()]
-        try:
-            # A worker finishes this exchange only after every worker has
-            # entered it, that is, has its totals. So it can fail only where
-            # a peer has left after finishing it, and then this worker's
-            # totals are complete. (A failed collective may leave this
-            # process's collectives aborted; the next one then says so.)
-            add([0.0]).numpy()
-        except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError):
-            pass
+        collective.closing_exchange(lambda: add([0.0]).numpy())
         return total
 
 

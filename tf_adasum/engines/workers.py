@@ -15,17 +15,23 @@ ordering token, so they run in program order on every worker.
 
 TensorFlow enables collective ops between workers only at a program's
 start: the program creates ``tf.distribute.MultiWorkerMirroredStrategy()``
-before any other TensorFlow call, as every multi-worker program does (it
-connects the workers; nothing else of it is used). `WorkerProcesses.from_tf_config`
-finds the workers in ``TF_CONFIG`` and says so when this process cannot
-reach them. (A second strategy made here instead hung the first exchange,
-now and then, on 2026-12-06: its set-up races the peers' first collective.)
+before any other TensorFlow call, as every multi-worker program does, and
+keeps it (it connects the workers and watches their heartbeats; nothing else
+of it is used). `WorkerProcesses.from_tf_config` finds the workers in
+``TF_CONFIG`` and says so when this process cannot reach them. (It does not
+make a strategy of its own: a second one's set-up raced the peers' first
+collective and hung it in our runs.)
 
-Deadlines: the eager exchanges at `compile` wait at most `timeout_seconds`
-(none by default); the exchanges of a training step wait without one
-(TensorFlow spends a sleeping thread per op on a timeout), and a worker
-that dies is reported by the strategy's heartbeat, or ended by the elastic
-launcher.
+Between CPU workers the TF engine's trees travel over tf_adasum's sockets
+(`tf_adasum.engines.tf`); these few exchanges, one gather of each bucket's
+block values a step, stay on TF collective ops (gRPC), whatever
+``TF_ADASUM_WORKER_TRANSPORT`` says.
+
+No deadlines: TensorFlow spends a sleeping thread per timed op, and a
+worker that dies is ended by the elastic launcher, or reported by the
+strategy's heartbeat to the others. Every worker checks the same things in
+the same order, so a mismatch is the same `ValueError` on every worker,
+raised after a closing exchange (`tf_adasum.comm.collective.closing_exchange`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import tensorflow as tf
 
 from tf_adasum.comm import cluster, collective
 from tf_adasum.comm.collective_keys import KEYS
-from tf_adasum.engines.base import check_same_settings, check_same_variables
+from tf_adasum.engines import agreement
 
 __all__ = ["WorkerProcesses"]
 
@@ -49,57 +55,55 @@ class WorkerProcesses:
       devices: every worker's first CPU, in worker order (the chief first,
         then workers by index).
       rank: this worker's position in `devices`.
-      timeout_seconds: the deadline of the eager exchanges (None or 0: none).
 
     Attributes:
+      kind: ``"worker"`` (what a process is called in messages and in
+        `tf_adasum.processes.Processes`).
       num_replicas: the worker count M.
       local_replicas: 1.
     """
 
+    kind = "worker"
     local_replicas = 1
 
-    def __init__(self, devices: Sequence[str], rank: int, timeout_seconds: float | None = None):
+    def __init__(self, devices: Sequence[str], rank: int):
         self.devices = tuple(devices)
         if len(self.devices) < 2 or not 0 <= rank < len(self.devices):
             raise ValueError(
-                f"WorkerProcesses needs two or more workers and this one's rank among them. Received: "
+                "WorkerProcesses needs two or more workers and this one's rank among them. Received: "
                 f"devices={self.devices}, rank={rank}"
             )
         self.num_replicas = len(self.devices)
         self.rank = rank
         self.device = self.devices[rank]
-        self.timeout_seconds = float(timeout_seconds or 0)
         self._group_key = KEYS.group_key(self.devices)
 
     @classmethod
-    def from_tf_config(cls, timeout_seconds: float | None = None) -> WorkerProcesses:
-        """The workers ``TF_CONFIG`` names; a RuntimeError saying what to do
-        when this process cannot reach them (no MultiWorkerMirroredStrategy
-        created at the program's start, see the module)."""
+    def from_tf_config(cls) -> WorkerProcesses:
+        """The workers ``TF_CONFIG`` names (a chief or worker task's view); a
+        RuntimeError saying what to do when this process cannot reach them
+        (no MultiWorkerMirroredStrategy created at the program's start)."""
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         tasks = cluster.resolver_tasks(resolver)
         me = (resolver.task_type, int(resolver.task_id or 0))
         if me not in tasks:
-            raise ValueError(f"TF_CONFIG's task holds no replica (only chief and worker tasks do). Received: task {me}")
+            raise ValueError(f"Only chief and worker tasks hold replicas. Received: TF_CONFIG's task {me}")
         devices = [f"/job:{job}/replica:0/task:{index}/device:CPU:0" for job, index in tasks]
         rank = tasks.index(me)
-        if devices[rank] not in {d.name for d in tf.config.list_logical_devices("CPU")}:
+        own = [d.name for d in tf.config.list_logical_devices("CPU")]
+        if devices[rank] not in own:
             raise RuntimeError(
                 "SimulatedReplicas spreads its replicas over the workers of TF_CONFIG through TF collective "
                 "ops, which TensorFlow enables only at a program's start: create "
-                "`tf.distribute.MultiWorkerMirroredStrategy()` first, before any other TensorFlow call (and "
-                f"build the model outside its scope). Received: this process's devices "
-                f"{[d.name for d in tf.config.list_logical_devices('CPU')]}, not {devices[rank]}"
+                "`tf.distribute.MultiWorkerMirroredStrategy()` first, before any other TensorFlow call, and keep "
+                f"it (build the model outside its scope). Received: this process's CPUs {own}, not {devices[rank]}"
             )
-        return cls(devices, rank, timeout_seconds)
+        return cls(devices, rank)
 
     # -- one exchange -------------------------------------------------------------------
 
     def _keys(self) -> tuple[int, int]:
         return self._group_key, KEYS.instance_key(self._group_key, self.device)
-
-    def _timeout(self) -> float:
-        return self.timeout_seconds if tf.executing_eagerly() else 0.0
 
     def _token(self) -> list:
         return [] if tf.executing_eagerly() else [collective.ordering_token(self.device)]
@@ -116,7 +120,6 @@ class WorkerProcesses:
                 group_key=group_key,
                 instance_key=instance_key,
                 ordering_token=self._token(),
-                timeout_seconds=self._timeout(),
             )
             out = collective.restored(out, x.dtype)
         out.set_shape([self.num_replicas, *x.shape])
@@ -136,20 +139,38 @@ class WorkerProcesses:
                 ordering_token=self._token(),
                 merge_op="Add",
                 final_op="Id",
-                timeout_seconds=self._timeout(),
             )
         out.set_shape(x.shape)
         return out
 
-    def sum_floats(self, values: Sequence[float]) -> list[float]:
-        """Eagerly, the float64 sums of `values` over the workers (every worker calls it)."""
+    def _closing_exchange(self) -> None:
         with tf.init_scope():
-            return [float(v) for v in self.sum_small(tf.constant(list(values), tf.float64)).numpy()]
+            collective.closing_exchange(lambda: self.sum_small(tf.zeros([1], tf.float64)).numpy())
+
+    def sum_floats(self, values: Sequence[float], what: str = "a sum over the workers") -> list[float]:
+        """Eagerly, the float64 sums of `values` over the workers, returned
+        once every worker holds them (a closing exchange follows, so a worker
+        may raise or exit on them at once); every worker calls it at the same
+        point. (`what` is for the signature of `tf_adasum.processes.Processes`'
+        exchanges: there is no deadline to name it in.)"""
+        with tf.init_scope():
+            total = [float(v) for v in self.sum_small(tf.constant(list(values), tf.float64)).numpy()]
+        self._closing_exchange()
+        return total
 
     def _allgather(self, array: np.ndarray, what: str) -> np.ndarray:
-        """Eagerly, every worker's 1-D `array` stacked (`tf_adasum.engines.base.AllGather`)."""
+        """Eagerly, every worker's 1-D `array` stacked (`tf_adasum.engines.agreement.AllGather`)."""
         with tf.init_scope():
             return self.gather_small(tf.constant(np.asarray(array).astype(np.int64))).numpy()
+
+    def _agreed(self, check, *args) -> None:
+        """``check(allgather, *args, "worker", "workers")``: its ValueError, the
+        same on every worker, raised after a closing exchange."""
+        try:
+            check(self._allgather, *args, "worker", "workers")
+        except ValueError:
+            self._closing_exchange()
+            raise
 
     # -- what SimulatedEngine asks of its processes ------------------------------------
 
@@ -164,19 +185,19 @@ class WorkerProcesses:
         """Raises ValueError on every worker unless all hold the same
         variable list (shapes, dtypes, order); a 32-byte gather, the lists
         themselves only when they differ."""
-        check_same_variables(self._allgather, variables, what, "worker", "workers")
+        self._agreed(agreement.check_same_variables, variables, what)
 
     def check_same_settings(self, settings: dict, what: str) -> None:
         """Raises ValueError on every worker unless all hold the same
         `settings` (a 32-byte gather; the settings themselves only when they differ)."""
-        check_same_settings(self._allgather, settings, what, "worker", "workers")
+        self._agreed(agreement.check_same_settings, settings, what)
 
     def broadcast_initial(self, model_variables: Sequence, optimizer_variables: Sequence) -> None:
         """Every worker takes worker 0's `model_variables` and those
         `optimizer_variables` that have values (eagerly; the lists checked
         equal first)."""
         with tf.init_scope():
-            own = [v for v in optimizer_variables if np.shape(v.numpy()) == tuple(v.shape)]
+            own = [v for v in optimizer_variables if agreement.has_value(v)]
             self.check_same_variables(own, "optimizer variables")
             for variable in list(model_variables) + own:
                 value = tf.convert_to_tensor(variable)
@@ -188,7 +209,6 @@ class WorkerProcesses:
                             group_size=self.num_replicas,
                             group_key=group_key,
                             instance_key=instance_key,
-                            timeout_seconds=self.timeout_seconds,
                         )
                     else:
                         received = tf.raw_ops.CollectiveBcastRecvV2(
@@ -197,6 +217,5 @@ class WorkerProcesses:
                             instance_key=instance_key,
                             shape=value.shape,
                             T=collective.carried(value).dtype,
-                            timeout_seconds=self.timeout_seconds,
                         )
                         variable.assign(collective.restored(received, value.dtype))

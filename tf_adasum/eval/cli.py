@@ -104,7 +104,7 @@ def _parse_args(argv):
     parser.add_argument(
         "--models",
         nargs="+",
-        help="lenet_caffe, lenet5, resnet (trained to the target); resnet50, bert (timed on synthetic data)",
+        help="lenet_caffe, lenet5, resnet, mlp (trained to the target); resnet50, bert (timed on synthetic data)",
     )
     parser.add_argument("--datasets", nargs="+", help="mnist, fashion_mnist")
     parser.add_argument("--combiners", nargs="+", help=", ".join(COMBINERS))
@@ -119,6 +119,12 @@ def _parse_args(argv):
     parser.add_argument("--seed", type=int, nargs="+", help="random seeds (default: the preset's, else 0)")
     parser.add_argument("--train-examples", type=int, default=0, help="use only the first N training images (0: all)")
     parser.add_argument("--test-examples", type=int, default=0, help="use only the first N test images (0: all)")
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        help="tf-collective: run the workers on this many emulated hosts (tf-adasum launch --hosts; root)",
+    )
+    parser.add_argument("--link", help="with --hosts: each host's link rate, e.g. 1gbit or 100mbit")
     parser.add_argument("--timing-steps", type=int, default=3, help="timed steps per combiner (resnet50, bert)")
     parser.add_argument("--data-dir", help="a folder of IDX files to use instead of the built-in data")
     parser.add_argument("--out", default="results/eval", help="output folder")
@@ -153,6 +159,8 @@ def build_grid(args) -> list[RunConfig]:
         "epochs": args.epochs,
         "train_examples": args.train_examples,
         "test_examples": args.test_examples,
+        "hosts": args.hosts,
+        "link": args.link,
     }
     configs = []
     for config in base:

@@ -33,7 +33,7 @@ KERAS_BASELINES = ("keras", "keras-scaled")
 #: which is the same method).
 ENGINES = ("local-devices", "tf-collective", "mpi", "simulated")
 #: Trained to a target accuracy.
-TRAINING_MODELS = ("lenet_caffe", "lenet5", "resnet")
+TRAINING_MODELS = ("lenet_caffe", "lenet5", "resnet", "mlp")
 #: Timed on synthetic data (time per step, communication share).
 TIMING_MODELS = ("resnet50", "bert")
 #: Learning rate over a run: ``constant``, or ``cosine``: decayed from the base
@@ -64,6 +64,8 @@ class RunConfig:
     seed: int = 0
     train_examples: int = 0  # 0: the whole training set
     test_examples: int = 0  # 0: the whole test set
+    hosts: int = 0  # tf-collective: its workers on this many emulated hosts (0: this machine)
+    link: str = ""  # with hosts: each host's link rate, in tc's syntax ("1gbit", "100mbit")
 
     @property
     def effective_batch(self) -> int:
@@ -102,6 +104,16 @@ class RunConfig:
             raise ValueError(f"`target` must be in (0, 1]. Received: target={self.target}")
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0. Received: lr={self.lr}")
+        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or self.hosts < 0:
+            raise ValueError(f"`hosts` must be an int >= 0 (0: this machine). Received: hosts={self.hosts!r}")
+        if self.hosts and (self.engine != "tf-collective" or self.hosts > self.replicas or not self.link):
+            raise ValueError(
+                "`hosts` places the tf-collective engine's workers on emulated hosts (at most one host per "
+                "replica), with a `link` rate. Received: "
+                f"hosts={self.hosts}, engine={self.engine!r}, replicas={self.replicas}, link={self.link!r}"
+            )
+        if self.link and not self.hosts:
+            raise ValueError(f"`link` needs `hosts`. Received: link={self.link!r}, hosts=0")
         if self.combiner in KERAS_BASELINES and self.local_steps != 1:
             raise ValueError(
                 f"The `{self.combiner}` baseline (plain gradient averaging) has no local steps. "

@@ -2,8 +2,9 @@
 
 Trained to a target accuracy: ``lenet_caffe`` (the evaluation's recipe for
 MNIST at 99.3%), ``lenet5`` (LeCun et al. 1998's layer sizes; five times
-cheaper, without headroom at 99.3%) and ``resnet`` (a small ResNet for 28x28
-images, for Fashion-MNIST). Of the trained models only ``resnet`` uses batch normalisation. Timed on
+cheaper, without headroom at 99.3%), ``resnet`` (a small ResNet for 28x28
+images, for Fashion-MNIST) and ``mlp`` (10M parameters: a combine that
+outweighs the compute on a slow link). Of the trained models only ``resnet`` uses batch normalisation. Timed on
 synthetic data (``--model resnet50``, ``--model bert``): a ResNet-50 at 64x64
 and a small BERT-style encoder, for time per step and communication share.
 """
@@ -101,9 +102,20 @@ def small_bert(sequence_length=64, vocabulary=8000, hidden=128, layers=2, heads=
     return keras.Model(tokens, keras.layers.Dense(classes)(x[:, 0]), name="small_bert")
 
 
+def mlp(input_shape=(28, 28, 1), classes=10) -> keras.Model:
+    """Three hidden layers of 2048 (10.0M parameters, 40 MB of float32
+    gradients): the step benchmark's MLP, a model whose combine outweighs its
+    compute on a slow link."""
+    hidden = [keras.layers.Dense(2048, activation="relu") for _ in range(3)]
+    return keras.Sequential(
+        [keras.Input(input_shape), keras.layers.Flatten(), *hidden, keras.layers.Dense(classes)], name="mlp"
+    )
+
+
 _BUILDERS = {
     "lenet_caffe": lenet_caffe,
     "lenet5": lenet5,
+    "mlp": mlp,
     "resnet": small_resnet,
     "resnet50": resnet50,
     "bert": small_bert,

@@ -1,7 +1,9 @@
 """The processes of an evaluation run. Every run has processes of its own:
 ``--engine local-devices`` one process with N logical CPU devices (a
 MirroredStrategy), ``--engine tf-collective`` N worker processes of a
-MultiWorkerMirroredStrategy on localhost (via `tf_adasum.launch`) and
+MultiWorkerMirroredStrategy on localhost (via `tf_adasum.launch`; with
+``--hosts H --link RATE`` on H emulated hosts, as ``tf-adasum launch
+--hosts`` makes them: root and network namespaces) and
 ``--engine mpi`` N ranks under ``mpirun``, one replica per process, and
 ``--engine simulated`` one process computing the N replicas one after
 another (`tf_adasum.SimulatedReplicas`).
@@ -70,7 +72,8 @@ def run_in_processes(
     if config.engine in ("local-devices", "simulated"):
         command, prefix = [sys.executable, *program], ""
     elif config.engine == "tf-collective":
-        command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *program], "[worker 0] "
+        hosts = ["--hosts", str(config.hosts), "--link", config.link] if config.hosts else []
+        command, prefix = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, *program], "[worker 0] "
     else:
         command, prefix = mpirun_command(n) + [sys.executable, *program], ""
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -16,8 +16,9 @@ __all__ = ["CSV_FIELDS", "config_of", "format_table", "largest_reached", "seed_s
 
 
 def config_of(record: dict) -> RunConfig:
-    """The configuration a result record was run with."""
-    return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig)})
+    """The configuration a result record was run with (a field that records
+    from before it existed lack takes its default)."""
+    return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig) if f.name in record})
 
 
 def _same_method(config: RunConfig) -> tuple:

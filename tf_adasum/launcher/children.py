@@ -38,13 +38,16 @@ class NetworkIsolationError(OSError):
 
 class Child(NamedTuple):
     """One process the launcher runs under a supervisor: its command and
-    environment, the prefix of its output lines, and descriptors of the user
-    and network namespaces it joins (none: the launcher's)."""
+    environment, the prefix of its output lines, descriptors of the user
+    and network namespaces it joins (none: the launcher's), and a line that
+    makes its exit a failure even with code 0 (`failure_line`: a program
+    that says it ended the job but exits 0)."""
 
     command: Sequence[str]
     env: Mapping[str, str]
     prefix: str
     joins: Sequence[int] = ()
+    failure_line: str | None = None
 
 
 def helper_command(role: str, *args: str) -> list[str]:
@@ -107,13 +110,30 @@ def _namespaces(role: str, *args: str, what: str) -> tuple[list[int], list[str]]
     return fds, [word.split("@")[1] for word in words if "@" in word]
 
 
-def _forward(stream, prefix: str, lock: threading.Lock) -> None:
+def _forward(stream, prefix: str, lock: threading.Lock, failure_line: str | None, failed: threading.Event) -> None:
     for line in iter(stream.readline, b""):
         text = line.decode(errors="replace")
+        if failure_line is not None and failure_line in text:
+            failed.set()
         with lock:
             sys.stdout.write(prefix + text if text.endswith("\n") else prefix + text + "\n")
             sys.stdout.flush()
     stream.close()
+
+
+def _exit_code(process: subprocess.Popen, thread: threading.Thread, child: Child, said_failed: threading.Event):
+    """`process`'s exit code (128 + S for signal S; None while it runs); 1
+    for an exit 0 after its child's `failure_line` (once its output is read)."""
+    code = process.poll()
+    if code is None:
+        return None
+    if code < 0:
+        return 128 - code
+    if code == 0 and child.failure_line is not None:
+        thread.join(GRACE_SECONDS)
+        if said_failed.is_set():
+            return 1
+    return code
 
 
 def stop(processes: Sequence[subprocess.Popen]) -> None:
@@ -153,7 +173,7 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
       notice, one of `helper.NOTICE_EXIT_CODES` when every child exited so.
     """
     lock = threading.Lock()
-    processes, threads, release = [], [], list(release)
+    processes, threads, release, said_failed = [], [], list(release), []
     noticed, next_poll = None, time.monotonic() + POLL_SECONDS
     try:
         for child in children:
@@ -167,13 +187,15 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
                 pass_fds=child.joins,
             )
             processes.append(process)
-            thread = threading.Thread(target=_forward, args=(process.stdout, child.prefix, lock), daemon=True)
+            said_failed.append(threading.Event())
+            forwarded = (process.stdout, child.prefix, lock, child.failure_line, said_failed[-1])
+            thread = threading.Thread(target=_forward, args=forwarded, daemon=True)
             thread.start()
             threads.append(thread)
         while release:
             os.close(release.pop())
         while True:
-            codes = [128 - c if c is not None and c < 0 else c for c in (p.poll() for p in processes)]
+            codes = [_exit_code(*each) for each in zip(processes, threads, children, said_failed)]
             failed = [c for c in codes if c not in (None, 0)]
             if noticed is None:
                 if None not in codes or failed:
