@@ -12,12 +12,13 @@ over its steps, times the steps of a whole MNIST epoch (60 000 images).
 Predicted, for a whole epoch of steps(N) = ceil(60 000 / (N b)) steps and
 steps(N) / K combines (K local steps):
 
-  minutes per epoch = steps(N) x t_step x c(N) + combines x t_combine(N, link)
+  minutes per epoch = steps(N) x t_step x N + combines x t_combine(N, link)
 
 with t_step one replica's step at batch b on this machine (the same
 configuration's ``keras`` run at N = 1 on the ``local-devices`` engine, its
-second epoch), c(N) = max(1, N / cores) (N processes share this machine's
-cores) and t_combine `time_to_accuracy.combine_seconds` for the run's
+second epoch), which already keeps every core busy (TensorFlow's threads
+within an op), so N processes sharing the machine take N times as long, and
+t_combine `time_to_accuracy.combine_seconds` for the run's
 combiner (``keras``: TensorFlow's ring) with the constants and the emulated
 link of `benchmarks/link_model.py` (the workers' engine, checked against the
 collective's own records on these links), N processes on this machine's
@@ -25,18 +26,20 @@ cores.
 
 Usage (as root: network namespaces):
   python benchmarks/emulated_training.py --out results/emulated_training [--resume]
+  python benchmarks/emulated_training.py --markdown docs/cluster/training_links.jsonl
 
 Prints one JSON line per configuration (measured and predicted minutes per
 epoch, their ratio, the command, the date, the commit and the processor)
 and appends it to ``OUT/records.jsonl``; with ``--resume`` the
 configurations already there are not run again. Each run's evaluation
-output stays in ``OUT/runs/``.
+output stays in ``OUT/runs/``, and a run whose results are there is not
+run again (delete ``records.jsonl`` to recompute every prediction from
+them). ``--markdown RECORDS`` prints the evaluation guide's table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -57,6 +60,24 @@ LINKS = ("1gbit", "100mbit")
 HOSTS = (2, 4)
 #: (combiner, local steps): Adasum, Adasum with 4 local steps, Keras' averaging.
 METHODS = (("adasum", 1), ("adasum", 4), ("keras", 1))
+#: Most a prediction may differ from its measurement, as |measured / predicted - 1|.
+TOLERANCE = 0.15
+#: The configurations measured beyond it on 2026-12-06 (ratio 1.16-1.25, all
+#: slower than predicted): their combines took 1.2-1.7x the link model's,
+#: which the collective's own records at these N matched within 0.84-1.06.
+#: Unlike those back-to-back collectives, a training step's combine follows
+#: 0.2-2 s of compute with the connections idle, and Linux restarts TCP's
+#: slow start after an idle period longer than the retransmission timeout
+#: (``net.ipv4.tcp_slow_start_after_idle``): our reading, not verified.
+BEYOND_TOLERANCE = {
+    ("lenet_caffe", 4, "100mbit", "adasum", 1),
+    ("lenet_caffe", 4, "100mbit", "adasum", 4),
+    ("lenet_caffe", 4, "100mbit", "keras", 1),
+    ("mlp", 2, "1gbit", "keras", 1),
+    ("mlp", 4, "1gbit", "adasum", 1),
+    ("mlp", 4, "1gbit", "keras", 1),
+    ("mlp", 4, "100mbit", "adasum", 1),
+}
 
 
 def _git_commit() -> str:
@@ -84,9 +105,9 @@ def eval_command(model: str, combiner: str, local_steps: int, replicas: int, out
     return command + ["--out", out]
 
 
-def timed_step_seconds(command: list[str], out: str, steps: int) -> float:
+def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float, str]:
     """Runs `command` (unless its record exists) and returns its second
-    epoch's seconds per step."""
+    epoch's seconds per step and the run's date."""
     results = os.path.join(out, "results.jsonl")
     if not os.path.exists(results):
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -94,14 +115,14 @@ def timed_step_seconds(command: list[str], out: str, steps: int) -> float:
             raise RuntimeError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     with open(results) as f:
         (record,) = [json.loads(line) for line in f if line.strip()]
-    return record["seconds_per_epoch"][1] / steps
+    return record["seconds_per_epoch"][1] / steps, record["date"]
 
 
 def predicted_minutes(model: str, combiner: str, local_steps: int, hosts: int, link: str, t_step: float) -> dict:
     """The model's minutes per whole epoch (see the module docstring), with its parts."""
     steps = math.ceil(MNIST_EXAMPLES / (hosts * BATCH))
     cores = os.cpu_count() or 1
-    compute = steps * t_step * max(1.0, hosts / cores)
+    compute = steps * t_step * hosts  # one replica's step keeps every core busy: N share them
     combine = tta.combine_seconds(
         combiner,
         hosts,
@@ -117,6 +138,23 @@ def predicted_minutes(model: str, combiner: str, local_steps: int, hosts: int, l
     }
 
 
+def markdown(records: list[dict]) -> str:
+    """The evaluation guide's table of `records`: measured against predicted
+    minutes per epoch, and their ratio, per model, hosts, link and method."""
+    lines = [
+        "| model | N hosts | link | method | measured min/epoch | predicted | ratio | of which combine |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        method = r["combiner"] + (f", K = {r['local_steps']}" if r["local_steps"] > 1 else "")
+        combine = r["predicted_minutes"] - r["predicted_compute_minutes"]
+        lines.append(
+            f"| {r['model']} | {r['hosts']} | {r['link']} | {method} | {r['measured_minutes']:.2f} | "
+            f"{r['predicted_minutes']:.2f} | {r['ratio']:.2f} | {combine / r['predicted_minutes']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/emulated_training")
@@ -124,7 +162,12 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--hosts", nargs="+", type=int, default=list(HOSTS))
     parser.add_argument("--links", nargs="+", default=list(LINKS))
+    parser.add_argument("--markdown", metavar="RECORDS", help="print the guide's table of these records, run nothing")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown([json.loads(line) for line in f if line.strip()]))
+        return 0
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     records_path = os.path.join(args.out, "records.jsonl")
     done = set()
@@ -141,7 +184,7 @@ def main(argv=None) -> int:
     for model in args.models:
         examples = MODELS[model]
         single = os.path.join(args.out, "runs", f"{model}-single")
-        t_step = timed_step_seconds(eval_command(model, "keras", 1, 1, single), single, math.ceil(examples / BATCH))
+        t_step, _ = timed_step_seconds(eval_command(model, "keras", 1, 1, single), single, math.ceil(examples / BATCH))
         for hosts in args.hosts:
             for link in args.links:
                 for combiner, local_steps in METHODS:
@@ -150,7 +193,7 @@ def main(argv=None) -> int:
                         continue
                     out = os.path.join(args.out, "runs", "-".join(str(k) for k in key))
                     command = eval_command(model, combiner, local_steps, hosts, out, hosts, link)
-                    seconds = timed_step_seconds(command, out, math.ceil(examples / (hosts * BATCH)))
+                    seconds, date = timed_step_seconds(command, out, math.ceil(examples / (hosts * BATCH)))
                     measured = seconds * math.ceil(MNIST_EXAMPLES / (hosts * BATCH)) / 60.0
                     prediction = predicted_minutes(model, combiner, local_steps, hosts, link, t_step)
                     row = {
@@ -164,7 +207,7 @@ def main(argv=None) -> int:
                         **prediction,
                         "ratio": measured / prediction["predicted_minutes"],
                         "step_ms_one_replica": 1e3 * t_step,
-                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "date": date,  # the run's
                         **provenance,
                     }
                     print(json.dumps(row), flush=True)
