@@ -60,13 +60,17 @@ LINKS = ("1gbit", "100mbit")
 HOSTS = (2, 4)
 #: (combiner, local steps): Adasum, Adasum with 4 local steps, Keras' averaging.
 METHODS = (("adasum", 1), ("adasum", 4), ("keras", 1))
+#: The commit the runs of docs/cluster/training_links.jsonl were made at (the
+#: evaluation's code; their records do not say it).
+RUNS_COMMIT = "175e652"
 #: Most a prediction may differ from its measurement, as |measured / predicted - 1|.
 TOLERANCE = 0.15
 #: The configurations measured beyond it on 2026-12-06 (ratio 1.16-1.25, all
 #: slower than predicted): their combines took 1.2-1.7x the link model's,
-#: which the collective's own records at these N matched within 0.84-1.06.
-#: Unlike those back-to-back collectives, a training step's combine follows
-#: 0.2-2 s of compute with the connections idle, and Linux restarts TCP's
+#: where the collective's own records at 1 and 4 Gbit/s matched Adasum's tree
+#: within 0.84-1.06 (TF's ring 0.83-1.38; none at 100 Mbit/s). Unlike those
+#: back-to-back collectives, a training step's combine follows 0.17-0.76 s of
+#: compute (in these 7) with the connections idle, and Linux restarts TCP's
 #: slow start after an idle period longer than the retransmission timeout
 #: (``net.ipv4.tcp_slow_start_after_idle``): our reading, not verified.
 BEYOND_TOLERANCE = {
@@ -81,8 +85,10 @@ BEYOND_TOLERANCE = {
 
 
 def _git_commit() -> str:
+    """HEAD, with ``-dirty`` when tracked files differ from it."""
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
+    changed = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+    return (result.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
 
 
 def _processor() -> str:
@@ -118,10 +124,12 @@ def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float,
     return record["seconds_per_epoch"][1] / steps, record["date"]
 
 
-def predicted_minutes(model: str, combiner: str, local_steps: int, hosts: int, link: str, t_step: float) -> dict:
-    """The model's minutes per whole epoch (see the module docstring), with its parts."""
+def predicted_minutes(
+    model: str, combiner: str, local_steps: int, hosts: int, link: str, t_step: float, cores: int
+) -> dict:
+    """The model's minutes per whole epoch (see the module docstring), with
+    its parts, for N = `hosts` processes sharing `cores` cores."""
     steps = math.ceil(MNIST_EXAMPLES / (hosts * BATCH))
-    cores = os.cpu_count() or 1
     compute = steps * t_step * hosts  # one replica's step keeps every core busy: N share them
     combine = tta.combine_seconds(
         combiner,
@@ -176,9 +184,11 @@ def main(argv=None) -> int:
             done = {tuple(json.loads(line)["key"]) for line in f if line.strip()}
     elif os.path.exists(records_path):
         os.remove(records_path)
+    cores = os.cpu_count() or 1
     provenance = {
         "command": " ".join(["python", "benchmarks/emulated_training.py", *(argv or sys.argv[1:])]),
-        "commit": _git_commit(),
+        "commit": _git_commit(),  # the script's, which computed the prediction
+        "runs_commit": RUNS_COMMIT,
         "processor": _processor(),
     }
     for model in args.models:
@@ -195,7 +205,7 @@ def main(argv=None) -> int:
                     command = eval_command(model, combiner, local_steps, hosts, out, hosts, link)
                     seconds, date = timed_step_seconds(command, out, math.ceil(examples / (hosts * BATCH)))
                     measured = seconds * math.ceil(MNIST_EXAMPLES / (hosts * BATCH)) / 60.0
-                    prediction = predicted_minutes(model, combiner, local_steps, hosts, link, t_step)
+                    prediction = predicted_minutes(model, combiner, local_steps, hosts, link, t_step, cores)
                     row = {
                         "key": key,
                         "model": model,
@@ -207,6 +217,7 @@ def main(argv=None) -> int:
                         **prediction,
                         "ratio": measured / prediction["predicted_minutes"],
                         "step_ms_one_replica": 1e3 * t_step,
+                        "cpu_count": cores,
                         "date": date,  # the run's
                         **provenance,
                     }

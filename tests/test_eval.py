@@ -237,6 +237,18 @@ def test_records_from_before_the_hosts_field_read_as_this_machine():
     assert summary.config_of({**old, "engine": "tf-collective", "hosts": 2, "link": "1gbit"}).hosts == 2
 
 
+def test_resume_reads_the_published_records_from_before_the_hosts_field(tmp_path):
+    from tf_adasum.eval import inputs, summary
+
+    published = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "eval_replicas", "results.jsonl")
+    with open(published) as f:
+        first = f.readline()
+    assert '"hosts"' not in first
+    (tmp_path / "results.jsonl").write_text(first)
+    (record,) = inputs.read_results(str(tmp_path / "results.jsonl"))
+    assert summary.config_of(record).hosts == 0
+
+
 # -- a tiny end-to-end run --------------------------------------------------------------------
 
 REQUIRED_FIELDS = {

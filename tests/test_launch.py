@@ -255,3 +255,14 @@ def test_isolate_network_refused_is_one_line_and_exit_code_2(tmp_path):
     assert stderr.startswith("tf-adasum launch: error: --isolate-network: cannot create a private network namespace")
     assert "unshare(CLONE_NEWNET): Operation not permitted" in stderr
     assert not list(tmp_path.glob("pids*")), "a worker started"
+
+
+def test_a_child_that_prints_its_failure_line_and_exits_0_failed():
+    """mpirun (PRRTE) says it lost a remote daemon and ended the job, then
+    exits 0: the launcher counts that as a failure (`Child.failure_line`);
+    the same child without the line succeeded."""
+    line = "PRTE has lost communication with a remote daemon"
+    said = ["sh", "-c", f"echo '{line}.'; exit 0"]
+    assert children.run([children.Child(said, dict(os.environ), "[c] ", failure_line=line)]) == 1
+    quiet = ["sh", "-c", "echo 'all is well'; exit 0"]
+    assert children.run([children.Child(quiet, dict(os.environ), "[c] ", failure_line=line)]) == 0

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 from tf_adasum.eval.data import DATASETS
+from tf_adasum.launcher import helper
 
 __all__ = [
     "BASE_BATCH",
     "COMBINERS",
     "ENGINES",
     "KERAS_BASELINES",
+    "OPTIONAL_FIELDS",
     "SCHEDULES",
     "TIMING_MODELS",
     "TRAINING_MODELS",
@@ -44,6 +46,16 @@ SCHEDULES = ("cosine", "constant")
 BASE_BATCH = 64
 #: ``keras-scaled`` ramps linearly from the base to the scaled rate over these first epochs.
 WARMUP_EPOCHS = 2
+
+
+def _is_rate(link: str) -> bool:
+    """Whether `link` is a positive rate in tc's syntax (``1gbit``, ``100mbit``), as `tf-adasum launch --link` takes."""
+    return isinstance(link, str) and bool(helper.RATE_PATTERN.fullmatch(link)) and helper.rate_bits_per_second(link) > 0
+
+
+#: `RunConfig` fields added after records were published: a record without
+#: them reads as their defaults (this machine), for `--resume` and the summaries.
+OPTIONAL_FIELDS = ("hosts", "link")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +126,10 @@ class RunConfig:
             )
         if self.link and not self.hosts:
             raise ValueError(f"`link` needs `hosts`. Received: link={self.link!r}, hosts=0")
+        if self.link and not _is_rate(self.link):
+            raise ValueError(
+                f"`link` must be a rate in tc's syntax such as '1gbit' or '100mbit'. Received: link={self.link!r}"
+            )
         if self.combiner in KERAS_BASELINES and self.local_steps != 1:
             raise ValueError(
                 f"The `{self.combiner}` baseline (plain gradient averaging) has no local steps. "

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from tf_adasum.eval import data
-from tf_adasum.eval.config import RunConfig
+from tf_adasum.eval.config import OPTIONAL_FIELDS, RunConfig
 
 __all__ = ["RECORD_FIELDS", "InputError", "check_data", "check_output_folder", "read_results"]
 
@@ -72,7 +72,8 @@ def read_results(path: str) -> list[dict]:
     """The records of ``results.jsonl`` at `path` for `--resume` (none when it does not exist)."""
     if not os.path.exists(path):
         return []
-    needed = [field.name for field in dataclasses.fields(RunConfig)] + list(RECORD_FIELDS)
+    # Fields added later (`OPTIONAL_FIELDS`) take their defaults in records from before them.
+    needed = [f.name for f in dataclasses.fields(RunConfig) if f.name not in OPTIONAL_FIELDS] + list(RECORD_FIELDS)
     records = []
     try:
         with open(path, encoding="utf-8") as f:

@@ -48,7 +48,7 @@ def stops_early(config: RunConfig, records: list[dict]) -> bool:
 CSV_FIELDS = [
     "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
     "seed", "lr", "schedule", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score",
-    "final_acc", "best_acc", "accuracy_per_epoch",
+    "final_acc", "best_acc", "accuracy_per_epoch", "hosts", "link",
 ]  # fmt: skip
 
 

@@ -121,21 +121,6 @@ def _forward(stream, prefix: str, lock: threading.Lock, failure_line: str | None
     stream.close()
 
 
-def _exit_code(process: subprocess.Popen, thread: threading.Thread, child: Child, said_failed: threading.Event):
-    """`process`'s exit code (128 + S for signal S; None while it runs); 1
-    for an exit 0 after its child's `failure_line` (once its output is read)."""
-    code = process.poll()
-    if code is None:
-        return None
-    if code < 0:
-        return 128 - code
-    if code == 0 and child.failure_line is not None:
-        thread.join(GRACE_SECONDS)
-        if said_failed.is_set():
-            return 1
-    return code
-
-
 def stop(processes: Sequence[subprocess.Popen]) -> None:
     """SIGTERM each running process's group, then SIGKILL what is left."""
     running = [p for p in processes if p.poll() is None]
@@ -170,7 +155,8 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
     Returns:
       0 (all exited 0; after a notice, one did: training finished), or the
       first non-zero exit code observed (128 + S for signal S); after a
-      notice, one of `helper.NOTICE_EXIT_CODES` when every child exited so.
+      notice, one of `helper.NOTICE_EXIT_CODES` when every child exited so;
+      1 in place of 0 when a child printed its `Child.failure_line`.
     """
     lock = threading.Lock()
     processes, threads, release, said_failed = [], [], list(release), []
@@ -195,7 +181,7 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
         while release:
             os.close(release.pop())
         while True:
-            codes = [_exit_code(*each) for each in zip(processes, threads, children, said_failed)]
+            codes = [128 - c if c is not None and c < 0 else c for c in (p.poll() for p in processes)]
             failed = [c for c in codes if c not in (None, 0)]
             if noticed is None:
                 if None not in codes or failed:
@@ -224,4 +210,6 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
             os.close(fd)
     for thread in threads:
         thread.join(timeout=GRACE_SECONDS)
+    if code == 0 and any(event.is_set() for event in said_failed):
+        return 1  # a child printed its failure line, then exited 0
     return code
