@@ -109,14 +109,16 @@ def replica_processes(backend: str, num_replicas: int) -> tuple[str, ReplicaProc
             f"The launcher runs this job with {REPLICAS_VARIABLE}={announced} (tf-adasum launch "
             f"--logical-replicas), and this model has num_replicas={num_replicas}: give both the same count."
         )
-    if backend == "auto":
-        backend = "mpi" if launched_by_mpi() else "workers" if tf_config_workers() > 1 else "local"
-    if backend == "local":
-        return backend, None
+    if backend == "auto" and launched_by_mpi():
+        backend = "mpi"
     if backend == "mpi":
         replicas_per_process(num_replicas, launcher_world_size())  # before MPI starts
         return backend, MPIEngine(mpi_world())
-    workers = tf_config_workers()
+    workers = 0 if backend == "local" else tf_config_workers()
+    if backend == "auto":
+        backend = "workers" if workers > 1 else "local"
+    if backend == "local":
+        return backend, None
     if workers < 2:
         raise ValueError(
             "SimulatedReplicas(backend='workers') spreads its replicas over the chief and worker tasks that "
