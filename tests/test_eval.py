@@ -95,6 +95,83 @@ def test_replicas_preset_grows_n_at_the_recipe_batch():
     assert order == sorted(order)  # seed by seed, each in order of N (stops_early)
 
 
+def test_edge_preset_runs_the_variants_beside_the_sweeps_own_runs():
+    configs = cli.build_grid(_args("--preset", "edge"))
+    sweep = {c.key() for c in cli.build_grid(_args("--preset", "replicas"))}
+    assert len(configs) == len(set(configs)) == 4 * 3 * (3 + len(cli.EDGE_VARIANTS))
+    shared = [c for c in configs if c.key() in sweep]  # run by the sweep: --resume on its records skips them
+    assert sorted({c.method for c in shared}) == ["adasum", "keras", "keras-scaled"]
+    assert {c.replicas for c in shared} == set(cli.EDGE_REPLICA_COUNTS) and len(shared) == 36
+    variants = [c for c in configs if c.key() not in sweep]
+    methods = ["adasum gradient", "adasum lamb", "lamb-scaled", "adasum warmup", "adasum scaled"]
+    for n in cli.EDGE_REPLICA_COUNTS:
+        for seed in (0, 1, 2):
+            assert [c.method for c in variants if (c.replicas, c.seed) == (n, seed)] == methods
+    assert {(c.model, c.batch_per_replica, c.target, c.epochs, c.local_steps) for c in configs} == {
+        ("lenet_caffe", 64, 0.993, 10, 1)
+    }
+    order = [(c.seed, c.replicas) for c in variants]
+    assert order == sorted(order)  # seed by seed, each in order of N
+
+
+@pytest.mark.parametrize(
+    "settings, method",
+    [
+        ({}, "adasum"),
+        ({"mode": "gradient"}, "adasum gradient"),
+        ({"inner": "lamb", "lr_rule": "warmup"}, "adasum lamb warmup"),
+        ({"combiner": "keras-scaled", "inner": "lamb"}, "lamb-scaled"),
+        ({"combiner": "keras", "inner": "lamb"}, "keras lamb"),
+    ],
+)
+def test_method_names_what_differs_from_the_defaults(settings, method):
+    assert RunConfig(**settings).validate().method == method
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--modes", "sparse"], r"Unknown `mode`. Expected one of \('delta', 'gradient'\). Received: mode='sparse'"),
+        (["--inner-optimizers", "sgd"], "Received: inner='sgd'"),
+        (["--lr-rules", "linear"], "Received: lr_rule='linear'"),
+        (["--combiners", "keras", "--modes", "gradient"], "grid is empty"),
+        (["--combiners", "keras-scaled", "--lr-rules", "warmup"], "grid is empty"),
+    ],
+)
+def test_bad_variant_values(argv, match, capsys):
+    assert cli.main(argv) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_warmup_and_scaled_rules_of_the_variants():
+    """``warmup``: keras-scaled's ramp, from the same fraction of the peak, to
+    the base rate; ``scaled``: keras-scaled's own schedule, for Adasum."""
+    from tf_adasum.eval.config import WARMUP_EPOCHS
+    from tf_adasum.eval.runner import learning_rate
+
+    steps, warmup = 10, WARMUP_EPOCHS * 10
+    wide = dict(batch_per_replica=1024, epochs=6)  # 4 x 1024 = 64 x BASE_BATCH: sqrt scaling gives 8x
+    ramp = learning_rate(RunConfig(lr_rule="warmup", **wide), steps)
+    assert [round(float(ramp(s)), 9) for s in (0, warmup, 60)] == [1.25e-4, 1e-3, 0.0]
+    baseline = learning_rate(RunConfig(combiner="keras-scaled", **wide), steps)
+    scaled = learning_rate(RunConfig(lr_rule="scaled", **wide), steps)
+    assert [float(scaled(s)) for s in range(0, 61, 5)] == [float(baseline(s)) for s in range(0, 61, 5)]
+    assert float(learning_rate(RunConfig(lr_rule="warmup", batch_per_replica=16), steps)(0)) == pytest.approx(1e-3)
+
+
+def test_variants_reach_the_optimizer_and_the_simulated_replicas():
+    import keras
+
+    from tf_adasum.eval.runner import compiled_model, optimizer_for
+
+    wrapped = optimizer_for(RunConfig(mode="gradient", inner="lamb"), steps_per_epoch=10)
+    assert (wrapped.mode, type(wrapped.inner_optimizer)) == ("gradient", keras.optimizers.Lamb)
+    assert isinstance(optimizer_for(RunConfig(combiner="keras-scaled", inner="lamb"), 10), keras.optimizers.Lamb)
+    simulated = RunConfig(model="lenet_caffe", engine="simulated", replicas=2, mode="gradient", inner="lamb")
+    trainer = compiled_model(simulated, steps_per_epoch=10)
+    assert (trainer.mode, type(trainer.optimizer)) == ("gradient", keras.optimizers.Lamb)
+
+
 def _outcome(combiner, n, seed, reached, local_steps=1):
     record = _record(combiner, n, 64, local_steps, [0.95] if reached else [0.5])
     return {**record, "seed": seed, "engine": "simulated"}
@@ -277,6 +354,8 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
         expected_epochs = 1 if record["final_acc"] >= 0.5 else -1
         assert record["epochs_until_convergence"] == expected_epochs
         assert (record["score"] is None) == (expected_epochs == -1)
+        assert record["command"] == "tf-adasum eval " + " ".join(argv)  # provenance beside date and machine
+        assert re.fullmatch(r"([0-9a-f]{7,}(-dirty)?)?", record["commit"]) and record["date"] and record["machine"]
     rows = list(csv.DictReader(open(tmp_path / "results.csv", encoding="utf-8")))
     assert [row["combiner"] for row in rows] == ["adasum", "keras-scaled"]
     assert "eff.batch" in out and "min/epoch" in out
@@ -407,6 +486,9 @@ def test_run_config_fields_match_the_record():
         "test_examples",
         "hosts",
         "link",
+        "mode",
+        "inner",
+        "lr_rule",
     }
     assert isinstance(cli._parse_args([]), argparse.Namespace)
 

@@ -26,13 +26,23 @@ import dataclasses
 import itertools
 import json
 import os
+import shlex
 import sys
 
 from tf_adasum.eval import quiet, summary
-from tf_adasum.eval.config import COMBINERS, ENGINES, KERAS_BASELINES, SCHEDULES, TIMING_MODELS, RunConfig
+from tf_adasum.eval.config import (
+    COMBINERS,
+    ENGINES,
+    INNER_OPTIMIZERS,
+    KERAS_BASELINES,
+    MODES,
+    SCHEDULES,
+    TIMING_MODELS,
+    RunConfig,
+)
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
-__all__ = ["ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main"]
+__all__ = ["EDGE_REPLICA_COUNTS", "EDGE_VARIANTS", "ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main"]
 
 #: The evaluation's kernels (see the module docstring), unless the environment chooses.
 ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
@@ -95,7 +105,39 @@ def _replicas() -> list[RunConfig]:
     return configs
 
 
-PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper, "replicas": _replicas}
+#: Where the replica sweep's Adasum stops: its N, and the variants tried there.
+EDGE_REPLICA_COUNTS = (32, 64, 128, 256)
+EDGE_VARIANTS = (
+    dict(combiner="adasum", mode="gradient"),
+    dict(combiner="adasum", inner="lamb"),
+    dict(combiner="keras-scaled", inner="lamb"),  # the `lamb-scaled` baseline
+    dict(combiner="adasum", lr_rule="warmup"),
+    dict(combiner="adasum", lr_rule="scaled"),
+)
+
+
+def _edge() -> list[RunConfig]:
+    """Where Adasum stops, and what moves the limit: the replicas preset's
+    model, data, budget and seeds at N = 32 to 256, with Adasum's variants
+    (`EDGE_VARIANTS`): gradient mode; LAMB as the inner optimizer, beside LAMB
+    under averaging at ``keras-scaled``'s rule (``lamb-scaled``); the warm-up
+    ``keras-scaled`` uses, to the base rate; and ``keras-scaled``'s whole rule
+    (scaled rate and warm-up), the same chance the baseline has. The sweep's
+    own Adasum and averaging runs at those N come first (the same
+    configurations: with ``--resume`` on their records they are not rerun).
+    Seed by seed, each in order of N."""
+    configs = []
+    for config in _replicas():
+        if config.replicas in EDGE_REPLICA_COUNTS and config.local_steps == 1 and config.combiner != "adacons":
+            configs.append(config)
+    for seed in (0, 1, 2):
+        for n in EDGE_REPLICA_COUNTS:
+            for variant in EDGE_VARIANTS:
+                configs.append(dataclasses.replace(configs[0], replicas=n, seed=seed, **variant))
+    return configs
+
+
+PRESETS = {"quick": _quick, "recipe": _recipe, "paper": _paper, "replicas": _replicas, "edge": _edge}
 
 
 def _parse_args(argv):
@@ -112,6 +154,13 @@ def _parse_args(argv):
     parser.add_argument("--replicas", type=int, nargs="+")
     parser.add_argument("--batch-per-replica", type=int, nargs="+")
     parser.add_argument("--local-steps", type=int, nargs="+")
+    parser.add_argument("--modes", nargs="+", help=f"{', '.join(MODES)} (what Adasum and AdaCons combine)")
+    parser.add_argument("--inner-optimizers", nargs="+", help=", ".join(INNER_OPTIMIZERS))
+    parser.add_argument(
+        "--lr-rules",
+        nargs="+",
+        help="'' (the combiner's own), warmup (keras-scaled's warm-up to the base rate), scaled (keras-scaled's rule)",
+    )
     parser.add_argument("--lr", type=float, help="base learning rate (Adam; default 1e-3)")
     parser.add_argument("--schedule", choices=SCHEDULES, help="cosine (default: to 0 over --epochs) or constant")
     parser.add_argument("--target", type=float)
@@ -137,7 +186,17 @@ def _parse_args(argv):
 def build_grid(args) -> list[RunConfig]:
     """The configurations to run: a preset, or the product of the grid options
     (each option overriding the preset's or the default value)."""
-    grid_options = (args.models, args.datasets, args.combiners, args.replicas, args.batch_per_replica, args.local_steps)
+    grid_options = (
+        args.models,
+        args.datasets,
+        args.combiners,
+        args.replicas,
+        args.batch_per_replica,
+        args.local_steps,
+        args.modes,
+        args.inner_optimizers,
+        args.lr_rules,
+    )
     if args.preset or not any(grid_options):
         base = PRESETS[args.preset or "quick"]()
     else:
@@ -149,6 +208,9 @@ def build_grid(args) -> list[RunConfig]:
         "replicas": args.replicas,
         "batch_per_replica": args.batch_per_replica,
         "local_steps": args.local_steps,
+        "mode": args.modes,
+        "inner": args.inner_optimizers,
+        "lr_rule": args.lr_rules,
         "seed": args.seed,
     }
     scalars = {
@@ -168,19 +230,24 @@ def build_grid(args) -> list[RunConfig]:
         for combination in itertools.product(*choices):
             changed = dict(combination, **{k: v for k, v in scalars.items() if v is not None})
             candidate = dataclasses.replace(config, **changed)
-            if candidate.combiner in KERAS_BASELINES and candidate.local_steps > 1:
-                continue  # the Keras baselines have no local steps
+            if candidate.combiner in KERAS_BASELINES and (
+                candidate.local_steps > 1 or candidate.mode != "delta" or candidate.lr_rule
+            ):
+                continue  # the Keras baselines have no local steps, no gradient mode and their own rate
             if candidate not in configs:
                 configs.append(candidate.validate())
     if not configs:
-        raise ValueError("The grid is empty (the `keras` and `keras-scaled` combiners run only at --local-steps 1).")
+        raise ValueError(
+            "The grid is empty (the `keras` and `keras-scaled` combiners run only at --local-steps 1, "
+            "in delta mode and at their own learning-rate rule)."
+        )
     return configs
 
 
 class _Progress:
     def __init__(self, index: int, total: int, config: RunConfig):
         settings = f"N={config.replicas} b={config.batch_per_replica} K={config.local_steps} seed={config.seed}"
-        self.prefix = f"[{index}/{total}] {config.combiner:>12} {settings}"
+        self.prefix = f"[{index}/{total}] {config.method:>12} {settings}"
         self.epochs = config.epochs
         self.tty = sys.stdout.isatty()
 
@@ -274,6 +341,22 @@ def _run_timing(args, plan: _Plan) -> None:
     print(f"wrote {path}")
 
 
+def _commit() -> str:
+    """The checkout's commit (short hash, ``-dirty`` with uncommitted changes to
+    tracked files), or ``""`` where the package is not in a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD"], capture_output=True)
+    except OSError:  # no git
+        return ""
+    if head.returncode != 0:
+        return ""
+    return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+
+
 def _run_grid(args, plan: _Plan) -> None:
     results_path = os.path.join(args.out, "results.jsonl")
     done = {summary.config_of(record).key() for record in plan.previous}
@@ -288,6 +371,7 @@ def _run_grid(args, plan: _Plan) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     records = list(plan.previous)
+    provenance = {"commit": _commit(), "command": args.command}  # beside the record's date and machine
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
         if args.preset == "replicas" and summary.stops_early(config, records):
@@ -299,6 +383,7 @@ def _run_grid(args, plan: _Plan) -> None:
             continue
         progress = _Progress(index, len(todo), config)
         record = run_in_processes(config, not args.no_stop, progress, args.data_dir, args.verbose)
+        record = {**record, **provenance}
         progress.close()
         records.append(record)
         with open(results_path, mode, encoding="utf-8") as f:
@@ -321,7 +406,9 @@ def _run_grid(args, plan: _Plan) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
+    args.command = " ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)])
     try:
         plan = check_inputs(args)
     except InputError as error:

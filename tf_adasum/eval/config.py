@@ -15,7 +15,10 @@ __all__ = [
     "BASE_BATCH",
     "COMBINERS",
     "ENGINES",
+    "INNER_OPTIMIZERS",
     "KERAS_BASELINES",
+    "LR_RULES",
+    "MODES",
     "OPTIONAL_FIELDS",
     "SCHEDULES",
     "TIMING_MODELS",
@@ -46,6 +49,19 @@ SCHEDULES = ("cosine", "constant")
 BASE_BATCH = 64
 #: ``keras-scaled`` ramps linearly from the base to the scaled rate over these first epochs.
 WARMUP_EPOCHS = 2
+#: What the replicas combine (`tf_adasum.AdasumOptimizer`'s ``mode``): the
+#: inner optimizer's local steps (``delta``) or the gradients before one inner
+#: step (``gradient``). The Keras baselines average gradients: ``delta`` only.
+MODES = ("delta", "gradient")
+#: The inner optimizer, at every combiner: Keras' ``Adam`` or ``Lamb`` (You et
+#: al. 2020, layer-wise trust ratios), with Keras' default settings but the rate.
+INNER_OPTIMIZERS = ("adam", "lamb")
+#: The learning-rate rule beside the combiner's own: ``""`` (the combiner's
+#: own: the base rate, or for ``keras-scaled`` its scaled peak and warm-up),
+#: ``warmup`` (``keras-scaled``'s warm-up over `WARMUP_EPOCHS`, from the same
+#: fraction of the rate, but to the base rate), ``scaled`` (``keras-scaled``'s
+#: rule: the scaled peak and its warm-up). The Keras baselines take ``""`` only.
+LR_RULES = ("", "warmup", "scaled")
 
 
 def _is_rate(link: str) -> bool:
@@ -55,7 +71,7 @@ def _is_rate(link: str) -> bool:
 
 #: `RunConfig` fields added after records were published: a record without
 #: them reads as their defaults (this machine), for `--resume` and the summaries.
-OPTIONAL_FIELDS = ("hosts", "link")
+OPTIONAL_FIELDS = ("hosts", "link", "mode", "inner", "lr_rule")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +94,19 @@ class RunConfig:
     test_examples: int = 0  # 0: the whole test set
     hosts: int = 0  # tf-collective: its workers on this many emulated hosts (0: this machine)
     link: str = ""  # with hosts: each host's link rate, in tc's syntax ("1gbit", "100mbit")
+    mode: str = "delta"  # MODES
+    inner: str = "adam"  # INNER_OPTIMIZERS
+    lr_rule: str = ""  # LR_RULES
+
+    @property
+    def method(self) -> str:
+        """The method's name in tables and plots: the combiner, then what
+        differs from its defaults (``adasum gradient lamb warmup``); the
+        ``keras-scaled`` baseline with LAMB reads ``lamb-scaled``."""
+        if self.combiner == "keras-scaled" and self.inner == "lamb":
+            return "lamb-scaled"
+        parts = [self.combiner, self.mode if self.mode != "delta" else "", self.inner if self.inner != "adam" else ""]
+        return " ".join(p for p in (*parts, self.lr_rule) if p)
 
     @property
     def effective_batch(self) -> int:
@@ -129,6 +158,16 @@ class RunConfig:
         if self.link and not _is_rate(self.link):
             raise ValueError(
                 f"`link` must be a rate in tc's syntax such as '1gbit' or '100mbit'. Received: link={self.link!r}"
+            )
+        for name, allowed in (("mode", MODES), ("inner", INNER_OPTIMIZERS), ("lr_rule", LR_RULES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Unknown `{name}`. Expected one of {allowed}. Received: {name}={getattr(self, name)!r}"
+                )
+        if self.combiner in KERAS_BASELINES and (self.mode != "delta" or self.lr_rule):
+            raise ValueError(
+                f"The `{self.combiner}` baseline averages gradients at its own learning-rate rule: it takes "
+                f"mode='delta' and lr_rule='' only. Received: mode={self.mode!r}, lr_rule={self.lr_rule!r}"
             )
         if self.combiner in KERAS_BASELINES and self.local_steps != 1:
             raise ValueError(

@@ -1,7 +1,8 @@
 """The evaluation's pictures: ``accuracy.png`` and ``scaling.png`` (needs matplotlib).
 
-A series is a combiner at a number of local steps K: its colour and marker
-come from the combiner, its line style from K, the same in every panel and
+A series is a method (a combiner and its settings, `RunConfig.method`) at a
+number of local steps K: its colour and marker come from the method, its line
+style from K, the same in every panel and
 both pictures. Panels are small multiples (one per model, dataset, replicas
 and, for accuracy, effective batch); within a panel the series are shifted a
 little sideways so that no marker hides another. A run that did not reach its
@@ -14,6 +15,8 @@ import math
 import os
 import statistics
 
+from tf_adasum.eval.summary import config_of
+
 __all__ = ["plot"]
 
 _COLORS = {
@@ -25,15 +28,25 @@ _COLORS = {
     "sum": "#ff7f0e",
 }
 _MARKERS = {"adasum": "o", "mean": "s", "keras": "^", "keras-scaled": "v", "adacons": "D", "sum": "X"}
-_OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a")
 _LINESTYLES = ("-", "--", ":", "-.")
 _FILLSTYLES = ("full", "left", "bottom", "right")  # per local steps K; an open marker is "not reached"
 
 
+def _method(record: dict) -> str:
+    """The record's method (`RunConfig.method`; fields it lacks take their defaults)."""
+    return config_of(record).method
+
+
+def _key(record: dict) -> tuple[str, int]:
+    """The series of `record`: (method, local steps)."""
+    return _method(record), record["local_steps"]
+
+
 def _series(records: list[dict]) -> list[tuple[str, int]]:
-    """(combiner, local steps): combiners in order of first appearance, then K."""
-    combiners = list(dict.fromkeys(r["combiner"] for r in records))
-    series = {(r["combiner"], r["local_steps"]) for r in records}
+    """(method, local steps): methods in order of first appearance, then K."""
+    combiners = list(dict.fromkeys(_method(r) for r in records))
+    series = {_key(r) for r in records}
     return sorted(series, key=lambda s: (combiners.index(s[0]), s[1]))
 
 
@@ -41,7 +54,7 @@ class _Style:
     """Colour, marker and line style of every series, fixed for both pictures."""
 
     def __init__(self, records: list[dict]):
-        combiners = list(dict.fromkeys(r["combiner"] for r in records))
+        combiners = list(dict.fromkeys(_method(r) for r in records))
         others = iter(_OTHER_COLORS * len(combiners))
         self.color = {c: _COLORS.get(c) or next(others) for c in combiners}
         self.marker = {c: _MARKERS.get(c, "P") for c in combiners}
@@ -102,7 +115,7 @@ def _accuracy(plt, records: list[dict], style: _Style, path: str, per_replica_co
         runs = [r for r in records if key(r) == group]
         series = _series(runs)
         for shift, s in zip(_offsets(len(series), min(0.15, 0.7 / len(series))), series):
-            for run in (r for r in runs if (r["combiner"], r["local_steps"]) == s):
+            for run in (r for r in runs if _key(r) == s):
                 epochs = [e + 1 + shift for e in range(len(run["accuracy_per_epoch"]))]
                 axis.plot(epochs, run["accuracy_per_epoch"], lw=1.3, **style(s))
         for target in sorted({r["target"] for r in runs}):
@@ -147,7 +160,7 @@ def _scaling(plt, records: list[dict], style: _Style, path: str) -> None:
         batches = sorted({r["effective_batch"] for r in runs})
         for row, ((value, missed_y, ylabel), axis) in enumerate(zip(rows, axes[:, column])):
             for shift, s in zip(_offsets(len(series), 0.06), series):
-                mine = [r for r in runs if (r["combiner"], r["local_steps"]) == s]
+                mine = [r for r in runs if _key(r) == s]
                 mine.sort(key=lambda r: r["effective_batch"])
                 reached = [r for r in mine if r["score"] is not None]
                 missed = [r for r in mine if r["score"] is None]
@@ -190,7 +203,7 @@ def _replica_axis(plt, records: list[dict], style: _Style, path: str) -> None:
     series = _series(records)
     epochs = lambda r: r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else missed_y  # noqa: E731
     for shift, s in zip(_offsets(len(series), 0.05), series):
-        mine = [r for r in records if (r["combiner"], r["local_steps"]) == s]
+        mine = [r for r in records if _key(r) == s]
         ns = sorted({r["replicas"] for r in mine})
         for axis, value in zip(axes, (epochs, lambda r: r["best_acc"])):
             values = [[value(r) for r in mine if r["replicas"] == n] for n in ns]

@@ -2,12 +2,13 @@
 accuracy), which `tf_adasum.eval.processes` runs in processes of its own.
 
 Every combiner in a grid trains with the same base learning rate, schedule and
-optimizer settings (Adam), as in the paper: no per-combiner tuning. ``keras``
+optimizer settings (Adam, or LAMB where a configuration says so), as in the
+paper: no per-combiner tuning. ``keras``
 is the plain inner optimizer under the same strategy (Keras' gradient
 averaging, what users run today), ``keras-scaled`` the same with the learning
 rate scaled to the effective batch and warmed up (`learning_rate`); the others
-go through `tf_adasum.AdasumOptimizer` in delta mode with `local_steps` local
-steps per combine.
+go through `tf_adasum.AdasumOptimizer` in the configuration's mode (delta by
+default) with `local_steps` local steps per combine.
 
 On the ``simulated`` engine the others train `tf_adasum.SimulatedReplicas`
 with the same inner optimizer and settings, and the averaging baselines train
@@ -52,25 +53,32 @@ __all__ = [
 def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.optimizers.schedules.LearningRateSchedule:
     """The configuration's learning rate: a float, or a Keras schedule over the
     optimizer's iterations, defined per epoch so that it means the same at
-    every batch size. The evaluation runs delta mode, where ``iterations``
-    counts local steps: one per training step, whatever the local steps K.
+    every batch size. ``iterations`` counts one per training step at K = 1
+    (delta mode counts local steps, gradient mode combined steps).
 
     ``cosine``: from ``lr`` down to 0 over the epoch budget. ``keras-scaled``
     (Goyal et al. 2017's recipe with the square-root rule usual for Adam,
-    Hoffer et al. 2017): the peak is ``lr * sqrt(effective batch / BASE_BATCH)``,
-    reached by a linear warm-up from ``lr`` over the first `WARMUP_EPOCHS`
-    epochs, then the same cosine to 0 (a constant schedule keeps the peak
-    after the warm-up). Where the scaled rate is not above the base rate
-    (effective batch <= BASE_BATCH) there is no warm-up: it is `keras`.
+    Hoffer et al. 2017), and any combiner at ``lr_rule="scaled"``: the peak is
+    ``lr * sqrt(effective batch / BASE_BATCH)``, reached by a linear warm-up
+    from ``lr`` over the first `WARMUP_EPOCHS` epochs, then the same cosine to
+    0 (a constant schedule keeps the peak after the warm-up). Where the scaled
+    rate is not above the base rate (effective batch <= BASE_BATCH) there is
+    no warm-up: it is `keras`. ``lr_rule="warmup"``: the same warm-up with the
+    peak left at ``lr``: from ``lr * sqrt(BASE_BATCH / effective batch)`` (the
+    fraction of the peak ``keras-scaled`` starts from) up to ``lr``.
     """
-    peak, warmup_steps = config.lr, 0
-    if config.combiner == "keras-scaled":
-        peak = config.lr * math.sqrt(config.effective_batch / BASE_BATCH)
-        warmup_steps = min(WARMUP_EPOCHS, config.epochs) * steps_per_epoch if peak > config.lr else 0
+    start, peak, warmup_steps = config.lr, config.lr, 0
+    scale = math.sqrt(config.effective_batch / BASE_BATCH)
+    if scale > 1.0 and (config.combiner == "keras-scaled" or config.lr_rule == "scaled"):
+        peak = config.lr * scale
+    elif scale > 1.0 and config.lr_rule == "warmup":
+        start = config.lr / scale
+    if peak != start:
+        warmup_steps = min(WARMUP_EPOCHS, config.epochs) * steps_per_epoch
     if config.schedule == "constant" and not warmup_steps:
         return config.lr
     return keras.optimizers.schedules.CosineDecay(
-        config.lr,
+        start,
         decay_steps=max(1, config.epochs * steps_per_epoch - warmup_steps),
         alpha=1.0 if config.schedule == "constant" else 0.0,  # 1.0: no decay
         warmup_target=peak if warmup_steps else None,
@@ -79,15 +87,19 @@ def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.opti
 
 
 def optimizer_for(config: RunConfig, steps_per_epoch: int) -> keras.optimizers.Optimizer:
-    """The configuration's optimizer: Adam at `learning_rate`, wrapped unless it
-    is one of the Keras baselines or the engine is ``simulated`` (where
-    `compiled_model` wraps the model instead)."""
+    """The configuration's optimizer: its inner optimizer (Adam or LAMB, Keras'
+    defaults) at `learning_rate`, wrapped in its `mode` unless it is one of the
+    Keras baselines or the engine is ``simulated`` (where `compiled_model`
+    wraps the model instead)."""
     import tf_adasum
 
-    inner = keras.optimizers.Adam(learning_rate(config, steps_per_epoch))
+    inner_class = {"adam": keras.optimizers.Adam, "lamb": keras.optimizers.Lamb}[config.inner]
+    inner = inner_class(learning_rate(config, steps_per_epoch))
     if config.combiner in KERAS_BASELINES or config.engine == "simulated":
         return inner
-    return tf_adasum.AdasumOptimizer(inner, combiner=config.combiner, backward_passes_per_step=config.local_steps)
+    return tf_adasum.AdasumOptimizer(
+        inner, combiner=config.combiner, mode=config.mode, backward_passes_per_step=config.local_steps
+    )
 
 
 def subset(config: RunConfig, data):
@@ -131,6 +143,7 @@ def compiled_model(config: RunConfig, steps_per_epoch: int, **compile_options):
             model,
             config.replicas,
             combiner=config.combiner,
+            mode=config.mode,
             backward_passes_per_step=config.local_steps,
             backend="local",  # the simulated engine: every replica in this process
         )

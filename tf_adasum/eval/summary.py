@@ -48,7 +48,7 @@ def stops_early(config: RunConfig, records: list[dict]) -> bool:
 CSV_FIELDS = [
     "model", "dataset", "combiner", "engine", "replicas", "batch_per_replica", "local_steps", "effective_batch",
     "seed", "lr", "schedule", "target", "epochs", "epochs_until_convergence", "minutes_per_epoch", "score",
-    "final_acc", "best_acc", "accuracy_per_epoch", "hosts", "link",
+    "final_acc", "best_acc", "accuracy_per_epoch", "hosts", "link", "mode", "inner", "lr_rule",
 ]  # fmt: skip
 
 
@@ -91,7 +91,7 @@ def format_table(records: list[dict]) -> str:
         epochs = r["epochs_until_convergence"]
         rows.append(
             [
-                r["model"], r["dataset"], r["combiner"], str(r["replicas"]), str(r["batch_per_replica"]),
+                r["model"], r["dataset"], config_of(r).method, str(r["replicas"]), str(r["batch_per_replica"]),
                 str(r["local_steps"]), str(r["effective_batch"]), str(r["seed"]), f"{r['target']:.3f}",
                 str(epochs) if epochs > 0 else f">{len(r['accuracy_per_epoch'])}",
                 f"{r['minutes_per_epoch']:.2f}", metrics.format_score(r["score"]), f"{r['best_acc']:.4f}",
@@ -101,7 +101,7 @@ def format_table(records: list[dict]) -> str:
 
 
 def largest_reached(records: list[dict]) -> list[str]:
-    """Per model, dataset, combiner, local steps and target: the largest
+    """Per model, dataset, method (`RunConfig.method`), local steps and target: the largest
     effective batch (N x b x K) whose runs (every seed) reached the target,
     one line each, with its N x b and the batches tried (a smaller batch may
     have failed where a larger one succeeded; the table shows each). Runs of
@@ -109,7 +109,7 @@ def largest_reached(records: list[dict]) -> list[str]:
     groups: dict[tuple, dict[int, bool]] = {}
     shapes: dict[tuple, set[str]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["target"])
+        key = (r["model"], r["dataset"], config_of(r).method, r["local_steps"], r["target"])
         reached = groups.setdefault(key, {})
         batch = r["effective_batch"]
         reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
@@ -127,14 +127,14 @@ def largest_reached(records: list[dict]) -> list[str]:
 
 
 def seed_summary(records: list[dict]) -> str:
-    """A table over seeds: per model, dataset, combiner, K, N and batch, the
+    """A table over seeds: per model, dataset, method (`RunConfig.method`), K, N and batch, the
     median and range of the epochs to the target (a run that missed it counts
     as more than its budget, shown ``>E``) and of the best test accuracy. With
     an even number of seeds the median is the higher middle value, so a point
     where half the seeds missed the target counts as missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
+        key = (r["model"], r["dataset"], config_of(r).method, r["local_steps"], r["replicas"], r["batch_per_replica"])
         groups.setdefault(key, []).append(r)
 
     def shown(value, budget):
