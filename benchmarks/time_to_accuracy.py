@@ -2,7 +2,8 @@
 (`tf-adasum eval --preset replicas`) times the minutes an epoch would take on N
 machines, one replica each, joined by a named link.
 
-Per run (a combiner at N replicas of batch b, K local steps):
+Per run (a method, `RunConfig.method`: a combiner and its variant, at N
+replicas of batch b, K local steps):
 
   minutes per epoch = steps(N) x t_step + combines(N) x t_combine(N, link)
   steps(N)          = ceil(training examples / (N b))       (as the evaluation runs it)
@@ -40,9 +41,13 @@ out what a real cluster adds: switch latency, congestion, stragglers; and
 what it removes: the 2-core machine's contention (the fit's ``cores``).
 
 Usage:
-  python benchmarks/time_to_accuracy.py results/replicas/results.jsonl [--plot score.png]
+  python benchmarks/time_to_accuracy.py results/replicas/results.jsonl [MORE.jsonl ...] [--plot score.png]
 
-Prints one JSON object per interconnect, combiner, K and N: the epochs to
+Several record files are read as one (a configuration in more than one is
+counted once, from the first). t_step is the same for every method: the
+inner optimizer's own cost (LAMB's against Adam's) is left out.
+
+Prints one JSON object per interconnect, method, K and N: the epochs to
 target (median over seeds; None when the median run missed it), the modelled
 minutes per epoch and the score, with the constants used.
 """
@@ -158,16 +163,19 @@ def _steps_per_epoch(r: dict) -> int:
 def scores(records: list[dict], constants: dict, step_ms: float | None = None) -> list[dict]:
     """The JSON rows (see the module docstring)."""
     from tf_adasum.eval import metrics
+    from tf_adasum.eval.summary import config_of
 
     t_steps = step_seconds(records)
     sizes: dict[str, int] = {}
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], r["combiner"], r["local_steps"], r["replicas"], r["batch_per_replica"])
+        key = (r["model"], r["dataset"], config_of(r).method, r["local_steps"], r["replicas"], r["batch_per_replica"])
         groups.setdefault(key, []).append(r)
     rows = []
     for link, rate in LINKS.items():
-        for (model, dataset, combiner, k, n, batch), runs in groups.items():
+        for (model, dataset, method, k, n, batch), runs in groups.items():
+            config = config_of(runs[0])
+            combiner = config.combiner
             if step_ms is not None:
                 t_step = step_ms / 1e3
             elif (model, dataset, batch) in t_steps:
@@ -182,7 +190,8 @@ def scores(records: list[dict], constants: dict, step_ms: float | None = None) -
             reached = [metrics.epochs_or_inf(r) for r in runs]
             epochs = statistics.median_high(reached)
             rows.append({
-                "link": link, "model": model, "dataset": dataset, "combiner": combiner, "local_steps": k,
+                "link": link, "model": model, "dataset": dataset, "method": method, "combiner": combiner,
+                "mode": config.mode, "inner": config.inner, "lr_rule": config.lr_rule, "local_steps": k,
                 "replicas": n, "batch_per_replica": batch, "seeds": len(runs),
                 "epochs_to_target": None if math.isinf(epochs) else epochs,
                 "step_ms": round(t_step * 1e3, 3), "combine_ms": round(combine * 1e3, 3),
@@ -208,7 +217,7 @@ def _plot(rows: list[dict], path: str) -> None:
     for axis, link in zip(axes[0], links):
         for s in series:
             mine = sorted(
-                (r for r in rows if r["link"] == link and (r["combiner"], r["local_steps"]) == s and r["score"]),
+                (r for r in rows if r["link"] == link and plots._key(r) == s and r["score"]),
                 key=lambda r: r["replicas"],
             )
             axis.plot([r["replicas"] for r in mine], [r["score"] for r in mine], lw=1.3, **style(s))
@@ -227,14 +236,21 @@ def _plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", help="results.jsonl of `tf-adasum eval --preset replicas`")
+    parser.add_argument("results", nargs="+", help="results.jsonl of `tf-adasum eval --preset replicas` (and more)")
     parser.add_argument("--collective", help="fit the constants to these benchmarks/collective.py records (workers)")
     parser.add_argument("--cores", type=int, default=2, help="cores the collective records' workers shared")
     parser.add_argument("--step-ms", type=float, help="one replica's step in ms (default: from the records)")
     parser.add_argument("--plot", help="write a PNG of the score against N per interconnect")
     args = parser.parse_args(argv)
-    with open(args.results, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    from tf_adasum.eval.summary import config_of
+
+    records, seen = [], set()
+    for path in args.results:
+        with open(path, encoding="utf-8") as f:
+            for record in (json.loads(line) for line in f if line.strip()):
+                if config_of(record).key() not in seen:
+                    seen.add(config_of(record).key())
+                    records.append(record)
     constants, source = dict(DEFAULT_CONSTANTS), "DEFAULT_CONSTANTS (docs/guide/benchmarks.md, 2026-12-04)"
     if args.collective:
         with open(args.collective, encoding="utf-8") as f:

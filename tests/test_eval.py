@@ -440,6 +440,11 @@ def test_time_to_accuracy_per_interconnect():
     assert row[("this machine", "adasum", 1, 4)]["score"] < row[("100 GbE", "adasum", 1, 4)]["score"] < mine["score"]
     assert row[("10 GbE", "keras", 1, 1)]["combine_ms"] == 0.0
 
+    gradient = [{**record, "mode": "gradient", "accuracy_per_epoch": [0.95]} for record in adasum]
+    (variant,) = [r for r in tta.scores(recipe + adasum + gradient, constants) if r["link"] == "10 GbE"][-1:]
+    assert (variant["method"], variant["mode"], variant["seeds"]) == ("adasum gradient", "gradient", 3)
+    assert variant["combine_ms"] == mine["combine_ms"]  # the same wire, its own epochs
+
 
 # -- IDX data -------------------------------------------------------------------------------------
 
