@@ -176,3 +176,17 @@ def test_every_environment_variable_the_package_reads_is_in_the_table():
         read.update(re.findall(r"\b(TF_ADASUM_[A-Z_]+)\b", path.read_text(encoding="utf-8")))
     missing = sorted(name for name in read if f"`{name}`" not in table)
     assert not missing, f"docs/guide/environment.md does not list: {missing}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_public_api_lists_match_all(page):
+    """The "public API" sentence of the README and the home page names every
+    public name (`tf_adasum.__all__` but `__version__`), and nothing else."""
+    import tf_adasum
+
+    text = (ROOT / page).read_text(encoding="utf-8")
+    start = text.index("The public API")
+    sentence = text[start : text.index("\n\n", start)]
+    sentence = re.sub(r"\([^)]*\)", "", sentence)  # asides in parentheses name other things
+    named = {name.removeprefix("tf_adasum.") for name in re.findall(r"`([\w.]+)`", sentence)}
+    assert named == set(tf_adasum.__all__) - {"__version__"}, f"{page}: {sentence!r}"

@@ -2,6 +2,7 @@
 
 import argparse
 import csv
+import dataclasses
 import gzip
 import json
 import os
@@ -110,6 +111,7 @@ def test_edge_preset_runs_the_variants_beside_the_sweeps_own_runs():
     assert {(c.model, c.batch_per_replica, c.target, c.epochs, c.local_steps) for c in configs} == {
         ("lenet_caffe", 64, 0.993, 10, 1)
     }
+    assert {(c.inner, c.lr) for c in configs} == {("adam", 1e-3), ("lamb", cli.LAMB_LR)}  # each its own rate
     order = [(c.seed, c.replicas) for c in variants]
     assert order == sorted(order)  # seed by seed, each in order of N
 
@@ -193,6 +195,11 @@ def test_stops_early_after_two_consecutive_n_where_every_seed_failed():
     assert summary.stops_early(config("adasum", 16, 4), local)
     assert not summary.stops_early(config("adasum", 16, 4), local + [_outcome("adasum", 8, 3, True, 4)])
     assert not summary.stops_early(config("adasum", 16), local)  # K = 1 is another method
+    gradient = [{**record, "mode": "gradient"} for record in failed_adasum]  # an edge variant stops too
+    assert summary.stops_early(dataclasses.replace(config("adasum", 16), mode="gradient"), gradient)
+    assert not summary.stops_early(config("adasum", 16), gradient)  # delta mode is another method
+    failed_keras = [{**record, "combiner": "keras-scaled"} for record in failed_adasum]
+    assert not summary.stops_early(config("keras-scaled", 16), failed_keras)  # the baselines run to the end
 
 
 def test_seed_summary_reports_median_and_range():

@@ -12,7 +12,16 @@ import statistics
 from tf_adasum.eval import metrics
 from tf_adasum.eval.config import RunConfig
 
-__all__ = ["CSV_FIELDS", "config_of", "format_table", "largest_reached", "seed_summary", "stops_early", "write_csv"]
+__all__ = [
+    "COMPLETE_ROWS",
+    "CSV_FIELDS",
+    "config_of",
+    "format_table",
+    "largest_reached",
+    "seed_summary",
+    "stops_early",
+    "write_csv",
+]
 
 
 def config_of(record: dict) -> RunConfig:
@@ -26,14 +35,19 @@ def _same_method(config: RunConfig) -> tuple:
     return dataclasses.replace(config, replicas=1, seed=0).key()
 
 
+#: The methods the replica sweep always runs to its last N (at one local step).
+COMPLETE_ROWS = ("adasum", "keras", "keras-scaled")
+
+
 def stops_early(config: RunConfig, records: list[dict]) -> bool:
-    """Whether the replica sweep skips `config`: AdaCons and Adasum with local
-    steps stop once every seed recorded so far failed the target at two
-    consecutive N below (a larger N does not rescue them; Adasum and the
-    averaging baselines always run to the end, so their rows are complete).
-    Judged on `records` each time: a skipped run comes back once a seed
-    reaches the target at one of those N."""
-    if not (config.combiner == "adacons" or config.local_steps > 1):
+    """Whether the replica sweep (and its edge) skips `config`: every method
+    but Adasum and the averaging baselines at one local step (`COMPLETE_ROWS`,
+    whose rows are complete), so AdaCons, local steps and the edge's variants,
+    stops once every seed recorded so far failed the target at two
+    consecutive N below (a larger N does not rescue them). Judged on
+    `records` each time: a skipped run comes back once a seed reaches the
+    target at one of those N."""
+    if config.method in COMPLETE_ROWS and config.local_steps == 1:
         return False
     outcomes: dict[int, list[bool]] = {}
     for record in records:
