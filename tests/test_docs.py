@@ -141,6 +141,32 @@ def test_the_api_reference_documents_every_public_name(site):
     assert not missing, "the API reference lacks:\n" + "\n".join(missing)
 
 
+@pytest.mark.slow
+def test_the_api_reference_shows_signatures_and_examples_as_code(site):
+    """Each public class with its signature (its ``__init__``'s), and every
+    ``>>>`` example in a code block that keeps its prompts: not a quote
+    (griffe's ``Example:`` admonition), not raw HTML (a ``<tf.Tensor ...>``
+    repr outside code)."""
+    import tf_adasum
+
+    path = site / "reference" / "api.html"
+    page = path.read_text(encoding="utf-8")
+    assert "<blockquote" not in page, "an example renders as a quote: its section must be `Examples:`"
+    assert not re.search(r"<tf\.", page), "a repr such as <tf.Tensor ...> is raw HTML in the API reference"
+    in_code = sum(block.count("&gt;&gt;&gt;") for block in re.findall(r"<pre>.*?</pre>", page, re.S))
+    assert in_code > 50 and in_code == page.count("&gt;&gt;&gt;"), "a `>>>` prompt outside a code block"
+    text = _text(path)
+    for name in tf_adasum.__all__:
+        obj = getattr(tf_adasum, name, None)
+        if inspect.isclass(obj):
+            first = next(iter(inspect.signature(obj).parameters))
+            signature = rf"\b{name} ?\( ?{first} ?:"  # the page's text: a space where a tag was
+            assert re.search(signature, text), f"the API reference shows no signature of {name}"
+    for module in ("combiners", "mpi", "reference"):  # their module docstrings' examples
+        example = rf">>> ?from ?tf_adasum ?import ?{module}\b"
+        assert re.search(example, text), f"tf_adasum.{module}'s example is not shown"
+
+
 def _text(path: pathlib.Path) -> str:
     raw = re.sub(r"<[^>]+>", " ", path.read_text(encoding="utf-8"))
     return re.sub(r"\s+", " ", html.unescape(raw))

@@ -100,6 +100,16 @@ def saved_epoch(backup_dir: str | os.PathLike) -> int:
     epoch (``dataset.skip(saved_epoch(d) * steps)``, or one seeded shuffle per
     epoch from that epoch on). A backup inside an epoch holds some of its
     batches already: the callback reads those and trains on none of them.
+
+    Examples:
+      A folder without a backup (after an interrupted run: see
+      `BackupAndRestore`'s example):
+
+      >>> import tempfile
+      >>> from tf_adasum.backup import saved_epoch
+      >>> with tempfile.TemporaryDirectory() as backup_dir:
+      ...     print(saved_epoch(backup_dir))
+      0
     """
     return saved_position(backup_dir).epoch
 
@@ -173,6 +183,33 @@ class BackupAndRestore(keras.callbacks.Callback):
     named), the backup is damaged, or it is inside an epoch of another length
     than this `fit`'s; `RuntimeError` when another process failed to read the
     backup (that process raises its own error).
+
+    Examples:
+      A run of 3 epochs that stops after 2 (here: a first run of 2 epochs
+      that keeps its backup), then starts again, as a new process would:
+
+      >>> import os
+      >>> import tempfile
+      >>> import keras
+      >>> import numpy as np
+      >>> import tf_adasum
+      >>> from tf_adasum.backup import saved_epoch
+      >>> def train(epochs, backup):
+      ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      ...     model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+      ...     return model.fit(np.ones((8, 3)), np.ones((8, 1)), epochs=epochs, callbacks=[backup], verbose=0)
+      >>> scratch = tempfile.TemporaryDirectory()
+      >>> backup_dir = os.path.join(scratch.name, "backup")  # created by the first backup
+      >>> history = train(2, tf_adasum.BackupAndRestore(backup_dir, delete_checkpoint=False))
+      >>> saved_epoch(backup_dir)
+      2
+      >>> backup = tf_adasum.BackupAndRestore(backup_dir)
+      >>> history = train(3, backup)
+      >>> backup.restored_epoch, len(history.history["loss"])  # resumed in epoch 2: one epoch left
+      (2, 1)
+      >>> os.path.exists(backup_dir)  # training completed: the backup is deleted
+      False
+      >>> scratch.cleanup()
     """
 
     def __init__(
@@ -197,6 +234,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.restored_epoch = 0
+        """After ``on_train_begin``, the epoch training resumed in (0 also when it started afresh)."""
         self.restored_batch = 0
         self._epoch = 0
         self._saved_batches = 0  # the run's batches the latest backup holds

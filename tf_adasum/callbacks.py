@@ -137,6 +137,30 @@ class AdasumDiagnostics(keras.callbacks.Callback):
 
     Attributes:
       records: the recorded ``(step, {variable path: {statistic: value}})``.
+
+    Examples:
+      Two replicas on two logical CPUs of this machine (set up before
+      TensorFlow's first operation), each with the same data, so their updates
+      are identical and their orthogonality is 1/N:
+
+      >>> import keras
+      >>> import numpy as np
+      >>> import tensorflow as tf
+      >>> import tf_adasum
+      >>> cpu = tf.config.list_physical_devices("CPU")[0]
+      >>> if tf.config.get_logical_device_configuration(cpu) is None:
+      ...     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      >>> with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+      ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      ...     model.compile(optimizer=tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+      >>> diagnostics = tf_adasum.AdasumDiagnostics(every_n_steps=1, logged=["orthogonality"])
+      >>> history = model.fit(np.ones((8, 3)), np.zeros((8, 1)), batch_size=8, callbacks=[diagnostics], verbose=0)
+      >>> round(history.history["adasum/orthogonality"][-1], 3)
+      0.5
+      >>> step, statistics = diagnostics.records[0]
+      >>> kernel = statistics[model.layers[0].kernel.path]
+      >>> round(kernel["orthogonality"], 3), round(kernel["combined_norm"] / kernel["delta_norm_max"], 3)
+      (0.5, 1.0)
     """
 
     def __init__(

@@ -3,14 +3,16 @@
 A combiner is a small object validated at construction and serialised with
 ``get_config``. ``"adasum"`` is the default; ``"sum"`` and ``"mean"`` are the
 baselines, run through the same vector-halving machinery so that comparisons
-measure the rule, not the transport.
+measure the rule, not the transport; ``"adacons"`` is AdaCons (`AdaCons`).
 
-Example:
+Examples:
   >>> from tf_adasum import combiners
   >>> combiners.get("adasum")
   Adasum()
   >>> combiners.get({"class_name": "Mean", "config": {}})
   Mean()
+  >>> combiners.serialize(combiners.AdaCons(momentum=0.99))
+  {'class_name': 'AdaCons', 'config': {'momentum': 0.99, 'restore_magnitude': None, 'per_tensor': False}}
 """
 
 from __future__ import annotations
@@ -26,7 +28,29 @@ __all__ = ["AdaCons", "Adasum", "Combiner", "Mean", "Sum", "get", "register", "s
 
 
 class Combiner:
-    """Base class: a pair rule for `tf_adasum.tree.rvh` plus its configuration."""
+    """Base class: a pair rule for `tf_adasum.tree.rvh` plus its configuration.
+
+    A subclass sets `name`, implements `combine` (and `partials` when the rule
+    needs sums over the ranks, as Adasum's dot products), and returns its
+    settings from `get_config`; `register` makes it known by name.
+
+    Examples:
+      A pair rule with a setting: ``left * a + (1 - left) * b``.
+
+      >>> from tf_adasum import combiners
+      >>> class Blend(combiners.Combiner):
+      ...     name = "blend"
+      ...     def __init__(self, left=0.5):
+      ...         self.left = left
+      ...     def combine(self, a, b, segments, partials):
+      ...         return self.left * a + (1.0 - self.left) * b
+      ...     def get_config(self):
+      ...         return {"left": self.left}
+      >>> Blend(0.75)
+      Blend(left=0.75)
+      >>> Blend(0.75) == Blend.from_config({"left": 0.75})
+      True
+    """
 
     #: The name accepted by `get`.
     name: str = ""
@@ -34,17 +58,44 @@ class Combiner:
     pairwise: bool = True
 
     def prepare(self, flat: tf.Tensor, num_ranks: int) -> tf.Tensor:
-        """Applied to each rank's fused buffer before the tree; identity by default."""
+        """Applied to each rank's fused buffer before the tree; identity by default.
+
+        Examples:
+          >>> import tensorflow as tf
+          >>> from tf_adasum import combiners
+          >>> flat = tf.constant([2.0, 4.0])
+          >>> combiners.Adasum().prepare(flat, num_ranks=2) is flat
+          True
+          >>> combiners.Mean().prepare(flat, num_ranks=2).numpy()  # the mean scales by 1/N first
+          array([1., 2.], dtype=float32)
+        """
         return flat
 
     def partials(self, a: tf.Tensor, b: tf.Tensor, segments: Segments) -> tf.Tensor | None:
         """The float64 partials the rule needs summed over the ranks of the two
-        subtrees (None by default); see `tf_adasum.tree.rvh.PairRule`."""
+        subtrees (None by default); see `tf_adasum.tree.rvh.PairRule`.
+
+        Examples:
+          A rule that needs no sums (Adasum's are its dot products):
+
+          >>> import tensorflow as tf
+          >>> from tf_adasum import combiners
+          >>> print(combiners.Sum().partials(tf.constant([1.0]), tf.constant([2.0]), segments=None))
+          None
+        """
         return None
 
     def combine(self, a: tf.Tensor, b: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
         """Combines the slices `a` (left subtree) and `b` (right) given the summed
-        `partials`; see `tf_adasum.tree.rvh.PairRule`."""
+        `partials`; see `tf_adasum.tree.rvh.PairRule`.
+
+        Examples:
+          >>> import tensorflow as tf
+          >>> from tf_adasum import combiners
+          >>> a, b = tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])
+          >>> combiners.Sum().combine(a, b, segments=None, partials=None).numpy()
+          array([4., 6.], dtype=float32)
+        """
         raise NotImplementedError
 
     def get_config(self) -> dict[str, Any]:
@@ -69,6 +120,18 @@ class Adasum(Combiner):
     """Adasum: ``(1 - a.b/(2|a|^2)) a + (1 - a.b/(2|b|^2)) b`` per tensor, as a tree.
 
     Dot products are accumulated in float64 (see `tf_adasum.ops`).
+
+    Examples:
+      The default combiner of `tf_adasum.AdasumOptimizer`, also by its name:
+
+      >>> import keras
+      >>> import tf_adasum
+      >>> from tf_adasum import combiners
+      >>> optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1))
+      >>> optimizer.combiner
+      Adasum()
+      >>> optimizer.combiner == combiners.get("adasum") == combiners.Adasum()
+      True
     """
 
     name = "adasum"
@@ -82,7 +145,15 @@ class Adasum(Combiner):
 
 
 class Sum(Combiner):
-    """The plain sum over replicas (each level adds in the tensors' dtype)."""
+    """The plain sum over replicas (each level adds in the tensors' dtype).
+
+    Examples:
+      >>> import tensorflow as tf
+      >>> from tf_adasum import combiners
+      >>> a, b = tf.constant([1.0, 2.0]), tf.constant([3.0, 4.0])
+      >>> combiners.Sum().combine(a, b, segments=None, partials=None).numpy()
+      array([4., 6.], dtype=float32)
+    """
 
     name = "sum"
 
@@ -92,7 +163,16 @@ class Sum(Combiner):
 
 class Mean(Sum):
     """The plain mean, sum / N: each replica's values are first scaled by 1/N
-    (in float64, cast back), then summed, so no weighting depends on the tree."""
+    (in float64, cast back), then summed, so no weighting depends on the tree.
+
+    Examples:
+      Each of 2 replicas' values before the tree:
+
+      >>> import tensorflow as tf
+      >>> from tf_adasum import combiners
+      >>> combiners.Mean().prepare(tf.constant([2.0, 4.0]), num_ranks=2).numpy()
+      array([1., 2.], dtype=float32)
+    """
 
     name = "mean"
 
@@ -118,6 +198,23 @@ class AdaCons(Combiner):
         None (default): False in gradient mode (the paper), True in delta mode,
         where a unit-norm delta would be meaningless.
       per_tensor: one set of weights per tensor instead of one for the model.
+
+    Examples:
+      >>> import keras
+      >>> import tf_adasum
+      >>> from tf_adasum import combiners
+      >>> adacons = combiners.AdaCons(momentum=0.99)
+      >>> adacons
+      AdaCons(momentum=0.99, restore_magnitude=None, per_tensor=False)
+      >>> optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), combiner=adacons, mode="gradient")
+      >>> optimizer.combiner is adacons
+      True
+      >>> combiners.get("adacons")  # by name: the defaults
+      AdaCons(momentum=0.0, restore_magnitude=None, per_tensor=False)
+      >>> combiners.AdaCons(momentum=1.5)
+      Traceback (most recent call last):
+      ...
+      ValueError: `momentum` must be in [0, 1). Received: momentum=1.5
     """
 
     name = "adacons"
@@ -150,14 +247,40 @@ _BY_CLASS_NAME = {cls.__name__: cls for cls in (Adasum, Sum, Mean, AdaCons)}
 
 
 def register(cls: type[Combiner]) -> type[Combiner]:
-    """Makes a combiner class known to `get` by its `name` and class name."""
+    """Makes a combiner class known to `get` by its `name` and class name.
+
+    Returns the class, so it serves as a decorator. Register a class before
+    loading a model or optimizer config that names it.
+
+    Examples:
+      >>> import tensorflow as tf
+      >>> from tf_adasum import combiners
+      >>> @combiners.register
+      ... class Larger(combiners.Combiner):
+      ...     name = "larger"
+      ...     def combine(self, a, b, segments, partials):
+      ...         return tf.maximum(a, b)
+      >>> combiners.get("larger")
+      Larger()
+      >>> combiners.get({"class_name": "Larger", "config": {}})
+      Larger()
+    """
     _BY_NAME[cls.name] = cls
     _BY_CLASS_NAME[cls.__name__] = cls
     return cls
 
 
 def serialize(combiner: Combiner) -> dict[str, Any]:
-    """``{"class_name": ..., "config": ...}`` for `get` to rebuild it."""
+    """``{"class_name": ..., "config": ...}`` for `get` to rebuild it.
+
+    Examples:
+      >>> from tf_adasum import combiners
+      >>> config = combiners.serialize(combiners.AdaCons(momentum=0.9, per_tensor=True))
+      >>> config
+      {'class_name': 'AdaCons', 'config': {'momentum': 0.9, 'restore_magnitude': None, 'per_tensor': True}}
+      >>> combiners.get(config)
+      AdaCons(momentum=0.9, restore_magnitude=None, per_tensor=True)
+    """
     return {"class_name": type(combiner).__name__, "config": combiner.get_config()}
 
 
@@ -167,6 +290,21 @@ def get(identifier: str | dict | Combiner) -> Combiner:
     Raises:
       ValueError: an unknown name.
       TypeError: anything else.
+
+    Examples:
+      >>> from tf_adasum import combiners
+      >>> combiners.get("mean")
+      Mean()
+      >>> combiners.get({"class_name": "AdaCons", "config": {"momentum": 0.5}})
+      AdaCons(momentum=0.5, restore_magnitude=None, per_tensor=False)
+      >>> adasum = combiners.Adasum()
+      >>> combiners.get(adasum) is adasum
+      True
+      >>> combiners.get("median")
+      Traceback (most recent call last):
+      ...
+      ValueError: Unknown `combiner`. Expected one of ['adacons', 'adasum', 'mean', 'sum'] or a
+      `tf_adasum.combiners` object. Received: combiner='median'
     """
     if isinstance(identifier, Combiner):
         return identifier

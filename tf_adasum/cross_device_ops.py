@@ -4,12 +4,7 @@ Plain SUM/MEAN reductions (losses, metrics, Keras' own gradient all-reduce)
 pass untouched to a fallback; `batch_reduce_adasum` (and, for any combiner,
 `batch_reduce_combine`) run the vector-halving collective on TF collective ops
 (between CPU worker processes, on tf_adasum's own sockets; see `tf_adasum.engines.tf`).
-
-Example:
-  >>> strategy = tf.distribute.MirroredStrategy(
-  ...     ["/cpu:0", "/cpu:1"], cross_device_ops=tf_adasum.AdasumCrossDeviceOps())
-  >>> per_replica = strategy.run(lambda: tf.random.normal([10]))
-  >>> combined = strategy.extended._cross_device_ops.batch_reduce_adasum([per_replica])
+`AdasumCrossDeviceOps` has an example.
 """
 
 from __future__ import annotations
@@ -68,6 +63,33 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         with float64 arithmetic on the widened values
         (`tf_adasum.comm.compression`); for links slower than memory. Plain
         reductions through the fallback are not compressed.
+
+    Examples:
+      Two replicas on two logical CPUs of this machine (set up before
+      TensorFlow's first operation), with orthogonal values, which Adasum
+      adds; every replica gets the same result:
+
+      >>> import tensorflow as tf
+      >>> import tf_adasum
+      >>> cpu = tf.config.list_physical_devices("CPU")[0]
+      >>> if tf.config.get_logical_device_configuration(cpu) is None:
+      ...     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      >>> cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
+      >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=cross_device_ops)
+      >>> def value():  # [1, 0] on replica 0, [0, 2] on replica 1
+      ...     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+      ...     return tf.one_hot(replica, 2) * tf.cast(replica + 1, tf.float32)
+      >>> per_replica = strategy.run(value)
+      >>> [x.numpy() for x in strategy.experimental_local_results(per_replica)]
+      [array([1., 0.], dtype=float32), array([0., 2.], dtype=float32)]
+      >>> (combined,) = cross_device_ops.batch_reduce_adasum([per_replica])
+      >>> [x.numpy() for x in strategy.experimental_local_results(combined)]
+      [array([1., 2.], dtype=float32), array([1., 2.], dtype=float32)]
+      >>> (mean,) = cross_device_ops.batch_reduce_combine([per_replica], "mean")
+      >>> strategy.experimental_local_results(mean)[0].numpy()
+      array([0.5, 1. ], dtype=float32)
+      >>> strategy.reduce("SUM", per_replica, axis=None).numpy()  # plain reductions: the fallback's
+      array([1., 2.], dtype=float32)
     """
 
     def __init__(
@@ -129,6 +151,22 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
           A list of mirrored values: the Adasum tree of each value over the
           replicas (`tf_adasum.reference.adasum_tree`), bitwise identical on
           every replica.
+
+        Examples:
+          Two replicas (on two logical CPUs) with the same value: Adasum
+          returns it (a sum would double it).
+
+          >>> import tensorflow as tf
+          >>> import tf_adasum
+          >>> cpu = tf.config.list_physical_devices("CPU")[0]
+          >>> if tf.config.get_logical_device_configuration(cpu) is None:
+          ...     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+          >>> cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
+          >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=cross_device_ops)
+          >>> per_replica = strategy.run(lambda: tf.constant([3.0, 4.0]))
+          >>> (combined,) = cross_device_ops.batch_reduce_adasum([per_replica])
+          >>> [x.numpy() for x in strategy.experimental_local_results(combined)]
+          [array([3., 4.], dtype=float32), array([3., 4.], dtype=float32)]
         """
         return self.batch_reduce_combine(per_replica_values, "adasum", options)
 
@@ -152,6 +190,27 @@ class AdasumCrossDeviceOps(tf.distribute.CrossDeviceOps):
         With `hierarchical`, the replicas of each worker are averaged first and
         the combiner runs across workers on those means (one worker: the mean
         of its replicas). `with_partials` then describes the tree across workers.
+
+        Examples:
+          Two replicas (on two logical CPUs) holding [1, 0] and [0, 2]:
+
+          >>> import tensorflow as tf
+          >>> import tf_adasum
+          >>> cpu = tf.config.list_physical_devices("CPU")[0]
+          >>> if tf.config.get_logical_device_configuration(cpu) is None:
+          ...     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+          >>> cross_device_ops = tf_adasum.AdasumCrossDeviceOps()
+          >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=cross_device_ops)
+          >>> def value():
+          ...     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+          ...     return tf.one_hot(replica, 2) * tf.cast(replica + 1, tf.float32)
+          >>> per_replica = strategy.run(value)
+          >>> (total,) = cross_device_ops.batch_reduce_combine([per_replica], "sum")
+          >>> strategy.experimental_local_results(total)[0].numpy()
+          array([1., 2.], dtype=float32)
+          >>> (combined,), partials = cross_device_ops.batch_reduce_combine([per_replica], with_partials=True)
+          >>> strategy.experimental_local_results(partials)[0].numpy()  # one level: [a.b, |a|^2, |b|^2]
+          array([[[0., 1., 4.]]])
         """
         combiner = pair_rule(combiner)
         options = self._options.merge(options) if options is not None else self._options

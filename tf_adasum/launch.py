@@ -213,6 +213,19 @@ def launch(
         with the value received.
       ElasticError: an elastic run's discovery failed or printed garbage,
         or too few workers were available for `wait_seconds`.
+
+    Examples:
+      One worker that prints its task from ``TF_CONFIG`` (the port notice
+      goes to stderr):
+
+      >>> import sys
+      >>> from tf_adasum.launch import launch
+      >>> program = "import json, os; print(json.loads(os.environ['TF_CONFIG'])['task'])"
+      >>> launch(1, [sys.executable, "-c", program])
+      [worker 0] {'type': 'worker', 'index': 0}
+      0
+      >>> launch(1, [sys.executable, "-c", "raise SystemExit(3)"])  # the worker's exit code
+      3
     """
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"`num_workers` must be an int >= 1. Received: num_workers={num_workers!r}")

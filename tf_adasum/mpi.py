@@ -24,6 +24,16 @@ Arguments are checked on every call, with or without a launcher, before any
 MPI call: a `TypeError` or `ValueError` names the argument and the value
 received (an MPI call that one rank skipped would leave the others waiting
 for their deadline).
+
+Examples:
+  In a plain ``python`` process (under ``mpirun -np 4`` each rank prints its
+  own rank, 4, and the mean over the 4 ranks):
+
+  >>> from tf_adasum import mpi
+  >>> mpi.rank(), mpi.size()
+  (0, 1)
+  >>> mpi.allreduce_mean({"accuracy": 0.75})
+  {'accuracy': 0.75}
 """
 
 from __future__ import annotations
@@ -57,25 +67,59 @@ def _world():
 
 
 def rank() -> int:
-    """This process's rank in ``COMM_WORLD`` (0 without an MPI launcher)."""
+    """This process's rank in ``COMM_WORLD`` (0 without an MPI launcher).
+
+    Examples:
+      >>> import tensorflow as tf
+      >>> from tf_adasum import mpi
+      >>> mpi.rank()
+      0
+      >>> dataset = tf.data.Dataset.range(8).shard(mpi.size(), mpi.rank())  # this rank's examples
+      >>> [int(i) for i in dataset]
+      [0, 1, 2, 3, 4, 5, 6, 7]
+    """
     world = _world()
     return world.rank if world else 0
 
 
 def size() -> int:
-    """The number of ranks (1 without an MPI launcher)."""
+    """The number of ranks (1 without an MPI launcher).
+
+    Examples:
+      >>> from tf_adasum import mpi
+      >>> mpi.size()
+      1
+    """
     world = _world()
     return world.size if world else 1
 
 
 def local_rank() -> int:
-    """This process's rank among the ranks of its node (e.g. to pick a GPU)."""
+    """This process's rank among the ranks of its node (e.g. to pick a GPU).
+
+    Examples:
+      One GPU per rank: rank r of its node takes the node's r-th GPU (set
+      before TensorFlow's first operation, e.g.
+      ``tf.config.set_visible_devices(gpus[local_rank()], "GPU")``):
+
+      >>> from tf_adasum import mpi
+      >>> mpi.local_rank()
+      0
+      >>> f"this rank's GPU: {mpi.local_rank()} of {mpi.local_size()} ranks on this node"
+      "this rank's GPU: 0 of 1 ranks on this node"
+    """
     world = _world()
     return world.local_rank if world else 0
 
 
 def local_size() -> int:
-    """The number of ranks on this process's node."""
+    """The number of ranks on this process's node.
+
+    Examples:
+      >>> from tf_adasum import mpi
+      >>> mpi.local_size()
+      1
+    """
     world = _world()
     return world.local_size if world else 1
 
@@ -109,7 +153,18 @@ def _check_text(value, name: str) -> None:
 def check_same_variables(variables: Sequence, what: str = "variables") -> None:
     """Raises ValueError on every rank unless all ranks hold the same variable
     list (shapes, dtypes, order). Exchanges one short digest per rank first,
-    the lists themselves only when they differ. Call on every rank."""
+    the lists themselves only when they differ. Call on every rank.
+
+    Examples:
+      >>> import keras
+      >>> from tf_adasum import mpi
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+      >>> mpi.check_same_variables(model.trainable_variables)  # returns None when they agree
+      >>> mpi.check_same_variables(model)
+      Traceback (most recent call last):
+      ...
+      TypeError: `variables` must be a list of variables. Received: variables=<Sequential ...
+    """
     variables = _check_variables(variables)
     _check_text(what, "what")
     world = _world()
@@ -119,7 +174,16 @@ def check_same_variables(variables: Sequence, what: str = "variables") -> None:
 
 def broadcast_variables(variables: Sequence, root_rank: int = 0) -> None:
     """Sets every rank's `variables` to `root_rank`'s values (eagerly; call on
-    every rank with the same list, e.g. after `check_same_variables`)."""
+    every rank with the same list, e.g. after `check_same_variables`).
+
+    Examples:
+      >>> import tensorflow as tf
+      >>> from tf_adasum import mpi
+      >>> variable = tf.Variable([1.0, 2.0])
+      >>> mpi.broadcast_variables([variable], root_rank=0)  # rank 0's values on every rank
+      >>> variable.numpy()
+      array([1., 2.], dtype=float32)
+    """
     variables = _check_variables(variables)
     if not isinstance(root_rank, numbers.Integral) or isinstance(root_rank, bool):
         raise TypeError(f"`root_rank` must be an integer. Received: root_rank={_shown(root_rank)}")
@@ -158,7 +222,18 @@ def _check_scalars(values) -> dict[str, float]:
 
 def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
     """The sum over ranks of each scalar in `values` (same keys on every rank;
-    `check_same_keys` first when they may differ)."""
+    `check_same_keys` first when they may differ).
+
+    Examples:
+      A test accuracy over every rank's shard of the test set:
+
+      >>> from tf_adasum import mpi
+      >>> totals = mpi.allreduce_sum({"correct": 97, "examples": 100})
+      >>> totals
+      {'correct': 97.0, 'examples': 100.0}
+      >>> totals["correct"] / totals["examples"]
+      0.97
+    """
     values = _check_scalars(values)
     world = _world()
     if world is None or not values:
@@ -171,12 +246,26 @@ def allreduce_sum(values: dict[str, float]) -> dict[str, float]:
 
 
 def allreduce_mean(values: dict[str, float]) -> dict[str, float]:
-    """The mean over ranks of each scalar in `values` (same keys on every rank)."""
+    """The mean over ranks of each scalar in `values` (same keys on every rank).
+
+    Examples:
+      >>> from tf_adasum import mpi
+      >>> mpi.allreduce_mean({"accuracy": 0.5, "loss": 0.25})
+      {'accuracy': 0.5, 'loss': 0.25}
+    """
     return {k: v / size() for k, v in allreduce_sum(values).items()}
 
 
 def check_same_keys(names: Sequence[str], what: str = "metric names") -> None:
-    """Raises ValueError on every rank unless all ranks pass the same `names`."""
+    """Raises ValueError on every rank unless all ranks pass the same `names`.
+
+    Examples:
+      >>> from tf_adasum import mpi
+      >>> logs = {"accuracy": 0.5, "loss": 0.25}
+      >>> mpi.check_same_keys(list(logs))  # returns None when every rank passes these
+      >>> mpi.allreduce_mean(logs)
+      {'accuracy': 0.5, 'loss': 0.25}
+    """
     if not isinstance(names, (Sequence, Mapping)) or isinstance(names, (str, bytes)):
         raise TypeError(f"`names` must be a list of strings. Received: names={_shown(names)}")
     for index, name in enumerate(names):
@@ -197,6 +286,17 @@ class MetricAverageCallback(keras.callbacks.Callback):
     the names are compared first (an error on every rank names the
     difference), and a rank whose peers never arrive gets a
     `tf.errors.DeadlineExceededError` (``TF_ADASUM_MPI_TIMEOUT``).
+
+    Examples:
+      >>> import keras
+      >>> import numpy as np
+      >>> from tf_adasum import mpi
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> model.compile(optimizer="sgd", loss="mse")
+      >>> callbacks = [mpi.MetricAverageCallback(), keras.callbacks.EarlyStopping("loss", patience=2)]
+      >>> history = model.fit(np.ones((8, 3)), np.ones((8, 1)), epochs=2, callbacks=callbacks, verbose=0)
+      >>> sorted(history.history)  # each epoch's loss, averaged over the ranks
+      ['loss']
     """
 
     def __init__(self):

@@ -265,9 +265,18 @@ def adasum_pair(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
       TypeError: a non-float dtype, or `a` and `b` of different dtypes.
       ValueError: `a` and `b` of different shapes.
 
-    Example:
-      >>> tf_adasum.adasum_pair(tf.constant([1.0, 0.0]), tf.constant([0.0, 2.0]))
-      <tf.Tensor: shape=(2,), dtype=float32, numpy=array([1., 2.], dtype=float32)>
+    Examples:
+      >>> import tensorflow as tf
+      >>> import tf_adasum
+      >>> tf_adasum.adasum_pair(tf.constant([1.0, 0.0]), tf.constant([0.0, 2.0])).numpy()  # orthogonal: the sum
+      array([1., 2.], dtype=float32)
+      >>> tf_adasum.adasum_pair(tf.constant([3.0, 4.0]), tf.constant([3.0, 4.0])).numpy()  # identical: the average
+      array([3., 4.], dtype=float32)
+      >>> a = tf.constant([[1.0, 0.0], [0.0, 0.0]], tf.float16)
+      >>> b = tf.constant([[1.0, 1.0], [0.0, 0.0]], tf.float16)
+      >>> tf_adasum.adasum_pair(a, b).numpy()  # 0.5 a + 0.75 b, computed in float64
+      array([[1.25, 0.75],
+             [0.  , 0.  ]], dtype=float16)
     """
     a = tf.convert_to_tensor(a)
     b = tf.convert_to_tensor(b)

@@ -47,8 +47,9 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         locally (its learning rate, schedule, clipping and weight decay apply).
         The wrapper takes over its ``loss_scale_factor`` (and sets the inner
         one to None), as `keras.optimizers.LossScaleOptimizer` does.
-      combiner: ``"adasum"``, ``"sum"``, ``"mean"`` (sum / N), or a combiner
-        object from `tf_adasum.combiners`.
+      combiner: ``"adasum"``, ``"sum"``, ``"mean"`` (sum / N), ``"adacons"``
+        (AdaCons with its defaults), or a combiner object from
+        `tf_adasum.combiners` (e.g. ``AdaCons(momentum=0.99)``).
       mode: ``"delta"`` (combine the local updates) or ``"gradient"`` (combine
         the local gradients, then apply the inner optimizer identically).
       backward_passes_per_step: K >= 1. Delta mode: K local inner steps, then
@@ -78,10 +79,26 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
     With one replica and K = 1 the wrapper is exactly the inner optimizer (for
     adasum, sum and mean, which are the identity on one replica).
 
-    Example:
-      >>> with tf.distribute.MirroredStrategy().scope():
-      ...     model = make_model()
-      ...     model.compile(optimizer=AdasumOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+    Examples:
+      Two replicas on two logical CPUs of this machine (set up before
+      TensorFlow's first operation; with GPUs, ``MirroredStrategy()`` takes
+      them all). Build the model and the optimizer in the strategy's scope:
+
+      >>> import keras
+      >>> import numpy as np
+      >>> import tensorflow as tf
+      >>> import tf_adasum
+      >>> cpu = tf.config.list_physical_devices("CPU")[0]
+      >>> if tf.config.get_logical_device_configuration(cpu) is None:
+      ...     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+      >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      ...     optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3))
+      ...     model.compile(optimizer=optimizer, loss="mse")
+      >>> history = model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=8, epochs=1, verbose=0)
+      >>> optimizer.engine.num_replicas, int(optimizer.iterations.numpy())  # 2 global batches of 8: 2 steps
+      (2, 2)
     """
 
     def __init__(
@@ -139,6 +156,8 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         self.inner_optimizer = inner_optimizer
         self._settings = settings
         self.engine: engines_base.Engine | None = None
+        """How the replicas reach each other (a `tf_adasum.engines.base.Engine`,
+        with ``num_replicas``), chosen once when the optimizer is built; None before."""
         self._diagnostics = diagnostics_lib.Recorder()
 
     # The settings, checked at construction (`tf_adasum.step.settings.StepSettings`).
@@ -342,7 +361,16 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
         state.load(list(zip(map(keras_step.tf_variable, self.variables), values)), self.engine.num_replicas)
 
     def get_config(self):
-        """The wrapper's settings, with the inner optimizer serialised inside."""
+        """The wrapper's settings, with the inner optimizer serialised inside.
+
+        Examples:
+          >>> import keras
+          >>> import tf_adasum
+          >>> optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.SGD(0.1), combiner="mean")
+          >>> config = optimizer.get_config()
+          >>> config["combiner"], config["mode"], config["inner_optimizer"]["class_name"]
+          ({'class_name': 'Mean', 'config': {}}, 'delta', 'SGD')
+        """
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -360,7 +388,16 @@ class AdasumOptimizer(members.InnerOptimizerMembers, keras.optimizers.Optimizer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Rebuilds the inner optimizer from `config`, then the wrapper."""
+        """Rebuilds the inner optimizer from `config`, then the wrapper.
+
+        Examples:
+          >>> import keras
+          >>> import tf_adasum
+          >>> optimizer = tf_adasum.AdasumOptimizer(keras.optimizers.Adam(1e-3), backward_passes_per_step=4)
+          >>> copy = tf_adasum.AdasumOptimizer.from_config(optimizer.get_config())
+          >>> type(copy.inner_optimizer).__name__, copy.backward_passes_per_step, copy.combiner
+          ('Adam', 4, Adasum())
+        """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)

@@ -17,6 +17,17 @@ References:
   Maleki, Musuvathi, Mytkowicz, Saarikivi, Xu, Eksarevskiy, Ekanayake, Barsoum.
   "Scaling Distributed Training with Adaptive Summation." MLSys 2021,
   arXiv:2006.02924.
+
+Examples:
+  >>> import numpy as np
+  >>> from tf_adasum import reference
+  >>> reference.adasum_pair(np.array([1.0, 0.0]), np.array([0.0, 2.0]))  # orthogonal: the sum
+  array([1., 2.])
+  >>> reference.adasum_pair(np.array([3.0, 4.0]), np.array([3.0, 4.0]))  # identical: the average
+  array([3., 4.])
+  >>> per_rank = [[np.array([1.0, 0.0, 0.0])], [np.array([0.0, 2.0, 0.0])], [np.array([0.0, 0.0, 3.0])]]
+  >>> reference.adasum_tree(per_rank)  # 3 ranks, one tensor each: A(A(0, 1), 2)
+  [array([1., 2., 3.])]
 """
 
 from __future__ import annotations
@@ -69,6 +80,13 @@ def adasum_coefficients(dot: float, a_norm_sq: float, b_norm_sq: float) -> tuple
     Returns:
       ``(1 - dot / (2 |a|^2), 1 - dot / (2 |b|^2))``, where a coefficient is
       exactly 1 when its squared norm is below `NORM_GUARD`.
+
+    Examples:
+      >>> from tf_adasum.reference import adasum_coefficients
+      >>> adasum_coefficients(dot=1.0, a_norm_sq=1.0, b_norm_sq=2.0)  # a = [1, 0], b = [1, 1]
+      (0.5, 0.75)
+      >>> adasum_coefficients(dot=0.0, a_norm_sq=0.0, b_norm_sq=4.0)  # a = 0: Adasum(0, b) = b
+      (1.0, 1.0)
     """
     a_coeff = 1.0 if a_norm_sq < NORM_GUARD else 1.0 - dot / (2.0 * a_norm_sq)
     b_coeff = 1.0 if b_norm_sq < NORM_GUARD else 1.0 - dot / (2.0 * b_norm_sq)
@@ -93,11 +111,17 @@ def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Returns:
       ``Adasum(a, b)``, computed in float64 and cast to the dtype of `a`.
 
-    Example:
-      >>> adasum_pair(np.array([1.0, 0.0]), np.array([0.0, 2.0]))
+    Examples:
+      >>> import numpy as np
+      >>> from tf_adasum.reference import adasum_pair
+      >>> adasum_pair(np.array([1.0, 0.0]), np.array([0.0, 2.0]))  # orthogonal: the sum
       array([1., 2.])
-      >>> adasum_pair(np.array([3.0, 4.0]), np.array([3.0, 4.0]))
+      >>> adasum_pair(np.array([3.0, 4.0]), np.array([3.0, 4.0]))  # identical: the average
       array([3., 4.])
+      >>> adasum_pair(np.array([1.0, 0.0]), np.array([1.0, 1.0]))  # 0.5 a + 0.75 b
+      array([1.25, 0.75])
+      >>> adasum_pair(np.array([1.0, 0.0], np.float32), np.array([0.0, 2.0], np.float32)).dtype
+      dtype('float32')
     """
     a, b = np.asarray(a), np.asarray(b)
     _check_float_array(a, "a")
@@ -115,6 +139,13 @@ def tree_shape(num_ranks: int) -> tuple[int, int]:
     ``leaves`` is the largest power of two not above `num_ranks`; the first
     ``2 * folded_pairs`` ranks are first combined in pairs (0, 1), (2, 3), ...
     so that exactly ``leaves`` values enter the binary tree.
+
+    Examples:
+      >>> from tf_adasum.reference import tree_shape
+      >>> tree_shape(8)
+      (8, 0)
+      >>> tree_shape(6)  # (0, 1) and (2, 3) folded first, then a tree of 4
+      (4, 2)
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)):
         raise TypeError(f"`num_ranks` must be an int. Received: num_ranks={num_ranks!r}")
@@ -131,7 +162,16 @@ def tree_reduce(values: Sequence[np.ndarray], pair: PairFn) -> np.ndarray:
     For N = 2^p, level k pairs rank i with i XOR 2^k. Otherwise the first
     2r ranks (r = N - 2^p) are first folded in pairs (0, 1), ..., (2r-2, 2r-1),
     and the r results followed by ranks 2r..N-1 form the 2^p leaves.
-    Example: N=3 gives pair(pair(0, 1), 2).
+
+    Examples:
+      A `pair` that writes its operands shows the tree:
+
+      >>> from tf_adasum.reference import tree_reduce
+      >>> pair = lambda a, b: f"A({a}, {b})"
+      >>> tree_reduce(["0", "1", "2"], pair)
+      'A(A(0, 1), 2)'
+      >>> tree_reduce(["0", "1", "2", "3", "4", "5"], pair)
+      'A(A(A(0, 1), A(2, 3)), A(4, 5))'
     """
     values = list(values)
     _, folded = tree_shape(len(values))
@@ -168,8 +208,15 @@ def block_sizes(num_ranks: int) -> list[int]:
     consecutive ranks ``[p*b, (p+1)*b)`` is a whole subtree of Adasum's tree
     over `num_ranks` (so the tree is the tree of those blocks' values: the
     lower levels inside each block, the upper ones across blocks; see
-    `tree_with_blocks`). Every divisor when `num_ranks` is a power of two;
-    e.g. [1, 2, 6] for 6, whose tree is A(A(A(0, 1), A(2, 3)), A(4, 5))."""
+    `tree_with_blocks`). Every divisor when `num_ranks` is a power of two.
+
+    Examples:
+      >>> from tf_adasum.reference import block_sizes
+      >>> block_sizes(8)
+      [1, 2, 4, 8]
+      >>> block_sizes(6)  # the tree A(A(A(0, 1), A(2, 3)), A(4, 5)) has no blocks of 3
+      [1, 2, 6]
+    """
     nested = _nested(num_ranks)
     return [b for b in range(1, num_ranks + 1) if _is_block_size(nested, num_ranks, b)]
 
@@ -195,6 +242,18 @@ def tree_with_blocks(
     The same pairs with the same operands as `tree_reduce` over all
     `num_ranks` values, so the same result, bit for bit, with a deterministic
     `pair`, whatever b is.
+
+    Examples:
+      The process holding ranks 4 and 5 of 6 (blocks of 2), with a `pair`
+      that writes its operands:
+
+      >>> from tf_adasum.reference import tree_with_blocks
+      >>> pair = lambda a, b: f"A({a}, {b})"
+      >>> tree_with_blocks(["4", "5"], pair, num_ranks=6, first=4)
+      'A(4, 5)'
+      >>> gather = lambda own: ["A(0, 1)", "A(2, 3)", own]  # every block's value, as an all-gather returns them
+      >>> tree_with_blocks(["4", "5"], pair, num_ranks=6, first=4, blocks=gather)
+      'A(A(A(0, 1), A(2, 3)), A(4, 5))'
     """
     size = len(values)
     nested = _nested(num_ranks)
@@ -254,6 +313,17 @@ def adasum_tree(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
     Returns:
       One array per tensor: the Adasum tree (see `tree_reduce`) of that tensor's
       values over the ranks, computed in float64 and cast to its dtype once.
+
+    Examples:
+      Two ranks, two tensors each (a kernel and a bias): each tensor is
+      combined on its own.
+
+      >>> import numpy as np
+      >>> from tf_adasum.reference import adasum_tree
+      >>> rank_0 = [np.array([1.0, 0.0]), np.array([2.0])]
+      >>> rank_1 = [np.array([0.0, 1.0]), np.array([2.0])]
+      >>> adasum_tree([rank_0, rank_1])
+      [array([1., 1.]), array([2.])]
     """
     return [
         tree_reduce([x.astype(np.float64) for x in values], _adasum_pair64).astype(values[0].dtype)
@@ -262,7 +332,14 @@ def adasum_tree(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
 
 
 def sum_(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
-    """The plain sum over ranks, per tensor, in float64, cast once at the end."""
+    """The plain sum over ranks, per tensor, in float64, cast once at the end.
+
+    Examples:
+      >>> import numpy as np
+      >>> from tf_adasum.reference import sum_
+      >>> sum_([[np.array([1.0, 0.0]), np.array([2.0])], [[0.0, 1.0], [2.0]]])
+      [array([1., 1.]), array([4.])]
+    """
     return [
         np.sum([x.astype(np.float64) for x in values], axis=0).astype(values[0].dtype)
         for values in _per_tensor(per_rank)
@@ -270,7 +347,14 @@ def sum_(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
 
 
 def mean(per_rank: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
-    """The plain mean over ranks (sum / N), per tensor, in float64, cast once."""
+    """The plain mean over ranks (sum / N), per tensor, in float64, cast once.
+
+    Examples:
+      >>> import numpy as np
+      >>> from tf_adasum.reference import mean
+      >>> mean([[np.array([1.0, 0.0]), np.array([2.0])], [[0.0, 1.0], [2.0]]])
+      [array([0.5, 0.5]), array([2.])]
+    """
     return [
         (np.sum([x.astype(np.float64) for x in values], axis=0) / len(values)).astype(values[0].dtype)
         for values in _per_tensor(per_rank)
@@ -310,6 +394,22 @@ def adacons(
       ``(result, state)``: one array per tensor (cast to its dtype), and the
       new state ``{"m": momentum values, "steps": int, "fallbacks": int,
       "weights": the weights used}``.
+
+    Examples:
+      Two replicas with orthogonal updates of one tensor: the larger update,
+      which agrees more with their sum, gets the larger weight.
+
+      >>> import numpy as np
+      >>> from tf_adasum.reference import adacons
+      >>> per_rank = [[np.array([1.0, 0.0])], [np.array([0.0, 2.0])]]
+      >>> result, state = adacons(per_rank)
+      >>> state["weights"].round(4)
+      array([[0.3333, 0.6667]])
+      >>> result[0].round(4)  # sum_i w_i g_i / |g_i|
+      array([0.3333, 0.6667])
+      >>> result, state = adacons(per_rank, state, momentum=0.9, restore_magnitude=True)
+      >>> state["steps"], round(float(np.linalg.norm(result[0])), 4)  # |mean update| = |[0.5, 1]|
+      (2, 1.118)
     """
     values = _per_tensor(per_rank)  # values[t][r]
     n = len(per_rank)

@@ -72,12 +72,16 @@ other TensorFlow call) for collective ops to reach the other workers; build
 the model and `SimulatedReplicas` outside its scope (the replicas are
 `SimulatedReplicas`', not the strategy's; `tf_adasum.engines.workers`).
 
-Example:
-  >>> trainer = SimulatedReplicas(make_model(), num_replicas=256)
-  >>> trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
-  >>> stream = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(60000).repeat().batch(256 * 64)
-  >>> trainer.fit(stream, steps_per_epoch=60000 // (256 * 64), epochs=10)
-  >>> trainer.model.evaluate(x_test, y_test)
+At scale, e.g. MNIST on 256 replicas of 64 examples each (`SimulatedReplicas`
+has a small example that runs as it stands):
+
+```python
+trainer = SimulatedReplicas(make_model(), num_replicas=256)
+trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+stream = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(60000).repeat().batch(256 * 64)
+trainer.fit(stream, steps_per_epoch=60000 // (256 * 64), epochs=10)
+trainer.model.evaluate(x_test, y_test)
+```
 """
 
 from __future__ import annotations
@@ -121,6 +125,25 @@ class SimulatedReplicas(keras.Model):
 
     The inner optimizer must not be built yet (its state is copied per
     replica when `compile` builds it) and must not be a LossScaleOptimizer.
+
+    Examples:
+      Four replicas of a small model, 2 rows each of every batch of 8; each
+      replica keeps its own Adam moments and step count:
+
+      >>> import keras
+      >>> import numpy as np
+      >>> import tf_adasum
+      >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      >>> trainer = tf_adasum.SimulatedReplicas(model, num_replicas=4)
+      >>> trainer.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+      >>> x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+      >>> history = trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 2 steps
+      >>> [tuple(stack.shape) for stack in trainer.replica_variables]  # Adam's m and v per variable, iterations
+      [(4, 3, 1), (4, 3, 1), (4, 1), (4, 1), (4,)]
+      >>> [int(copy.numpy()) for copy in trainer.replica_copies(trainer.optimizer.iterations)]
+      [2, 2, 2, 2]
+      >>> trainer.model is model  # it holds the combined weights
+      True
     """
 
     def __init__(
@@ -166,7 +189,17 @@ class SimulatedReplicas(keras.Model):
         """As `keras.Model.compile`; `optimizer` is every replica's inner
         optimizer. ``jit_compile`` defaults to False (XLA cannot compile the
         replica loop's variable swaps on every device). No mixed precision:
-        a ``mixed_float16`` policy (a LossScaleOptimizer) is refused."""
+        a ``mixed_float16`` policy (a LossScaleOptimizer) is refused.
+
+        Examples:
+          >>> import keras
+          >>> import tf_adasum
+          >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+          >>> trainer = tf_adasum.SimulatedReplicas(model, num_replicas=4)
+          >>> trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", metrics=["mae"])
+          >>> type(trainer.optimizer).__name__  # every replica's inner optimizer
+          'SGD'
+        """
         if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer.built:
             raise ValueError(
                 "`optimizer` must not be built yet: SimulatedReplicas copies its state per replica when it "
@@ -216,7 +249,17 @@ class SimulatedReplicas(keras.Model):
         its build made, then ``iterations``) stacked over this process's
         replicas, ``[n, ...]`` in replica order from ``engine.first_replica``
         (what `tf_adasum.BackupAndRestore` saves per replica). Empty in
-        gradient mode, where every replica shares the inner optimizer's."""
+        gradient mode, where every replica shares the inner optimizer's.
+
+        Examples:
+          >>> import keras
+          >>> import tf_adasum
+          >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+          >>> trainer = tf_adasum.SimulatedReplicas(model, num_replicas=4)
+          >>> trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+          >>> [tuple(stack.shape) for stack in trainer.replica_variables]  # momentum per variable, iterations
+          [(4, 3, 1), (4, 1), (4,)]
+        """
         if self._state is None:
             raise RuntimeError("SimulatedReplicas: call compile() before reading its replicas' state.")
         return list(self._state.own_stacks)
@@ -227,7 +270,19 @@ class SimulatedReplicas(keras.Model):
         of its stack where each replica has its own (delta mode), else the
         variable itself, shared. A copy has ``numpy()``, ``shape``,
         ``dtype`` and ``assign``; assigning the first replica's also sets the
-        inner optimizer's variable, which holds that replica's state."""
+        inner optimizer's variable, which holds that replica's state.
+
+        Examples:
+          >>> import keras
+          >>> import tf_adasum
+          >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+          >>> trainer = tf_adasum.SimulatedReplicas(model, num_replicas=4)
+          >>> trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+          >>> copies = trainer.replica_copies(trainer.optimizer.iterations)
+          >>> copies[2].assign(5)  # replica 2's step count
+          >>> [int(copy.numpy()) for copy in copies], int(trainer.optimizer.iterations.numpy())
+          ([0, 0, 5, 0], 0)
+        """
         state = self._state
         if state is None:
             raise RuntimeError("SimulatedReplicas: call compile() before reading its replicas' state.")

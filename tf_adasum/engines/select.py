@@ -208,7 +208,22 @@ def make_engine(backend: str, strategy, compression: str | None = None) -> Engin
 
     `compression`: the wire format (`tf_adasum.comm.compression`); None takes
     the strategy's `tf_adasum.AdasumCrossDeviceOps` one, if any (see
-    `resolve_compression`)."""
+    `resolve_compression`).
+
+    Examples:
+      The engine `tf_adasum.AdasumOptimizer` builds in a plain ``python``
+      process (no strategy, no MPI launcher): one replica.
+
+      >>> import tensorflow as tf
+      >>> from tf_adasum.engines.select import make_engine
+      >>> engine = make_engine("auto", tf.distribute.get_strategy())
+      >>> type(engine).__name__, engine.num_replicas, engine.local_replicas
+      ('TFEngine', 1, 1)
+      >>> make_engine("nccl", tf.distribute.get_strategy())
+      Traceback (most recent call last):
+      ...
+      ValueError: `backend` must be one of ('auto', 'tf', 'mpi'). Received: backend='nccl'
+    """
     if choose_backend(backend, strategy) == "mpi":
         return MPIEngine(mpi_world(), compression=compression)
     compression = resolve_compression(compression, strategy)
