@@ -216,3 +216,20 @@ def test_public_api_lists_match_all(page):
     sentence = re.sub(r"\([^)]*\)", "", sentence)  # asides in parentheses name other things
     named = {name.removeprefix("tf_adasum.") for name in re.findall(r"`([\w.]+)`", sentence)}
     assert named == set(tf_adasum.__all__) - {"__version__"}, f"{page}: {sentence!r}"
+
+
+# Words that announce work as still to come: a page that says so about a piece
+# of work already published contradicts the page that publishes it.
+_STALE_PHRASES = re.compile(r"\b(is planned|are planned|planned \(issue|not yet published|to be published)\b", re.I)
+
+
+def test_no_page_announces_work_as_still_to_come():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in pages
+        if page.name != "changelog.md"
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1)
+        if _STALE_PHRASES.search(line)
+    ]
+    assert not found, "\n".join(found)

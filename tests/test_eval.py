@@ -708,3 +708,34 @@ def test_default_output_is_quiet_and_verbose_keeps_the_logs(tmp_path):
     assert all(noise in outputs[True] for noise in NOISE[:1] + NOISE[2:4]), outputs[True]
     records = [json.loads(line) for line in (tmp_path / "out0" / "results.jsonl").read_text().splitlines()]
     assert [r["kernels"] for r in records] == ["TF_ENABLE_ONEDNN_OPTS=1"]
+
+
+@pytest.mark.parametrize(
+    "records, pages",
+    [
+        ("docs/eval_replicas/results.jsonl", ["README.md", "docs/guide/evaluation.md"]),
+        ("docs/eval_edge/results.jsonl", ["docs/guide/evaluation.md"]),
+    ],
+)
+def test_replica_tables_are_their_records(records, pages):
+    """The published replica tables are `summary.replica_table` of their
+    committed records, cell for cell."""
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    with open(os.path.join(root, records), encoding="utf-8") as f:
+        table = summary.replica_table([json.loads(line) for line in f if line.strip()])
+    for page in pages:
+        with open(os.path.join(root, page), encoding="utf-8") as f:
+            assert table in f.read(), f"{page} does not show the table of {records}:\n{table}"
+
+
+def test_replica_table_cells():
+    runs = [
+        {**_outcome("adasum", 4, seed, reached), "accuracy_per_epoch": curve, "best_acc": max(curve)}
+        for seed, (reached, curve) in enumerate([(True, [0.5, 0.95]), (True, [0.95]), (False, [0.5, 0.8])])
+    ]
+    for run in runs:
+        run["epochs_until_convergence"] = metrics.epochs_until_convergence(run["accuracy_per_epoch"], 0.9)
+    rows = summary.replica_table(runs + [{**runs[2], "replicas": 8, "seed": s} for s in (0, 1)]).splitlines()
+    assert rows[0] == "| method | N=4 | 8 | largest N, every seed |"
+    assert rows[2] == "| adasum | **2** (1 to >4) | >4, 80.00% | none |"
+    assert summary.replica_table(runs[:2]).splitlines()[2] == "| adasum | **2** (1 to 2) | 4 (256) |"

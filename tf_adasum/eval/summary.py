@@ -167,3 +167,46 @@ def seed_summary(records: list[dict]) -> str:
             f"{statistics.median_high(best):.4f}", f"{min(best):.4f} to {max(best):.4f}",
         ])  # fmt: skip
     return _aligned(rows)
+
+
+def replica_table(records: list[dict]) -> str:
+    """The replica sweep's table, in Markdown, as the evaluation guide shows
+    it: one row per method and K (in order of first appearance), one column
+    per N; a cell is the median epochs to the target over the seeds, bold,
+    with their range where the seeds differ, or, where the median run missed
+    the target, ``>budget`` (with the range where some seed reached it) and
+    the median best accuracy. The last column is the largest N where every
+    seed reached the target, with its effective batch (``none``)."""
+    rows: dict[tuple, dict[int, list[dict]]] = {}
+    for r in records:
+        rows.setdefault((config_of(r).method, r["local_steps"]), {}).setdefault(r["replicas"], []).append(r)
+    counts = sorted({r["replicas"] for r in records})
+    header = ["method", *(f"N={n}" if i == 0 else str(n) for i, n in enumerate(counts)), "largest N, every seed"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (method, k), by_n in rows.items():
+        label = method if k == 1 else f"{method}, {k} local steps"
+        cells, largest = [], "none"
+        for n in counts:
+            runs = by_n.get(n, [])
+            cells.append(_replica_cell(runs))
+            if runs and all(r["epochs_until_convergence"] > 0 for r in runs):
+                largest = f"{n} ({runs[0]['effective_batch']})"
+        lines.append("| " + " | ".join([label, *cells, largest]) + " |")
+    return "\n".join(lines)
+
+
+def _replica_cell(runs: list[dict]) -> str:
+    """One cell of `replica_table` (empty without runs)."""
+    if not runs:
+        return ""
+    budget = max(r["epochs"] for r in runs)
+    reached = [metrics.epochs_or_inf(r) for r in runs]
+    median, low, high = statistics.median_high(reached), min(reached), max(reached)
+
+    def shown(value):
+        return f">{budget}" if math.isinf(value) else f"{value:g}"
+
+    spread = f" ({shown(low)} to {shown(high)})" if low != high else ""
+    if math.isfinite(median):
+        return f"**{shown(median)}**{spread}"
+    return f">{budget}{spread}, {100 * statistics.median_high(r['best_acc'] for r in runs):.2f}%"
