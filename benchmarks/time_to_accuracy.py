@@ -144,10 +144,13 @@ def gradient_bytes(model: str) -> int:
 
 def step_seconds(records: list[dict]) -> dict[tuple, float]:
     """Per (model, dataset, batch): one replica's step, from the single-replica
-    ``keras`` runs (median minutes per epoch over their steps per epoch)."""
+    ``keras`` runs, Adam at its base rate (median minutes per epoch over
+    their steps per epoch)."""
+    from tf_adasum.eval.summary import config_of
+
     steps: dict[tuple, list[float]] = {}
     for r in records:
-        if r["combiner"] == "keras" and r["replicas"] == 1 and r["local_steps"] == 1:
+        if config_of(r).method == "keras" and r["replicas"] == 1 and r["local_steps"] == 1:
             per_epoch = _steps_per_epoch(r)
             steps.setdefault((r["model"], r["dataset"], r["batch_per_replica"]), []).append(
                 60.0 * r["minutes_per_epoch"] / per_epoch
@@ -217,7 +220,7 @@ def _plot(rows: list[dict], path: str) -> None:
     for axis, link in zip(axes[0], links):
         for s in series:
             mine = sorted(
-                (r for r in rows if r["link"] == link and plots._key(r) == s and r["score"]),
+                (r for r in rows if r["link"] == link and (r["method"], r["local_steps"]) == s and r["score"]),
                 key=lambda r: r["replicas"],
             )
             axis.plot([r["replicas"] for r in mine], [r["score"] for r in mine], lw=1.3, **style(s))
@@ -248,8 +251,9 @@ def main(argv=None) -> int:
     for path in args.results:
         with open(path, encoding="utf-8") as f:
             for record in (json.loads(line) for line in f if line.strip()):
-                if config_of(record).key() not in seen:
-                    seen.add(config_of(record).key())
+                key = config_of(record).key()
+                if key not in seen:
+                    seen.add(key)
                     records.append(record)
     constants, source = dict(DEFAULT_CONSTANTS), "DEFAULT_CONSTANTS (docs/guide/benchmarks.md, 2026-12-04)"
     if args.collective:

@@ -121,9 +121,10 @@ def test_edge_preset_runs_the_variants_beside_the_sweeps_own_runs():
     [
         ({}, "adasum"),
         ({"mode": "gradient"}, "adasum gradient"),
-        ({"inner": "lamb", "lr_rule": "warmup"}, "adasum lamb warmup"),
-        ({"combiner": "keras-scaled", "inner": "lamb"}, "lamb-scaled"),
-        ({"combiner": "keras", "inner": "lamb"}, "keras lamb"),
+        ({"inner": "lamb", "lr_rule": "warmup", "lr": 3e-3}, "adasum lamb warmup"),
+        ({"combiner": "keras-scaled", "inner": "lamb", "lr": 3e-3}, "lamb-scaled"),
+        ({"combiner": "keras-scaled", "inner": "lamb"}, "lamb-scaled lr=0.001"),  # not LAMB's base rate
+        ({"combiner": "keras", "lr": 0.02}, "keras lr=0.02"),
     ],
 )
 def test_method_names_what_differs_from_the_defaults(settings, method):
@@ -155,10 +156,23 @@ def test_warmup_and_scaled_rules_of_the_variants():
     wide = dict(batch_per_replica=1024, epochs=6)  # 4 x 1024 = 64 x BASE_BATCH: sqrt scaling gives 8x
     ramp = learning_rate(RunConfig(lr_rule="warmup", **wide), steps)
     assert [round(float(ramp(s)), 9) for s in (0, warmup, 60)] == [1.25e-4, 1e-3, 0.0]
-    baseline = learning_rate(RunConfig(combiner="keras-scaled", **wide), steps)
     scaled = learning_rate(RunConfig(lr_rule="scaled", **wide), steps)
-    assert [float(scaled(s)) for s in range(0, 61, 5)] == [float(baseline(s)) for s in range(0, 61, 5)]
+    assert [round(float(scaled(s)), 9) for s in (0, warmup // 2, warmup, 60)] == [1e-3, 4.5e-3, 8e-3, 0.0]
     assert float(learning_rate(RunConfig(lr_rule="warmup", batch_per_replica=16), steps)(0)) == pytest.approx(1e-3)
+    flat = learning_rate(RunConfig(lr_rule="warmup", schedule="constant", **wide), steps)
+    assert [round(float(flat(s)), 9) for s in (0, warmup, 1000)] == [1.25e-4, 1e-3, 1e-3]  # up to the rate, kept
+
+
+def test_gradient_mode_lays_the_schedule_over_combined_steps():
+    """In gradient mode the inner optimizer steps once per K training steps:
+    the schedule spans the same epochs in those iterations."""
+    from tf_adasum.eval.runner import learning_rate
+
+    delta = learning_rate(RunConfig(local_steps=4, epochs=4), steps_per_epoch=10)
+    gradient = learning_rate(RunConfig(local_steps=4, epochs=4, mode="gradient"), steps_per_epoch=10)
+    assert float(delta(20)) == pytest.approx(5e-4)  # half-way after 2 epochs of 10 local steps
+    assert float(gradient(6)) == pytest.approx(5e-4)  # ... and after 2 epochs of ceil(10 / 4) = 3 combines
+    assert float(gradient(12)) == pytest.approx(0.0)
 
 
 def test_variants_reach_the_optimizer_and_the_simulated_replicas():
@@ -210,10 +224,12 @@ def test_seed_summary_reports_median_and_range():
         {**_record("keras", 8, 64, 1, [0.91]), "seed": 0},
     ]
     lines = summary.seed_summary(records).splitlines()
-    assert lines[0].split()[:7] == ["model", "data", "combiner", "K", "N", "eff.batch", "seeds"]
+    assert lines[0].split()[:7] == ["model", "data", "method", "K", "N", "eff.batch", "seeds"]
     row = ["lenet5", "mnist", "adasum", "1", "8", "512", "3", "3", "2", "to", ">4", "0.9200", "0.7000", "to", "0.9700"]
     assert lines[2].split() == row
     assert lines[3].split()[7:] == ["1", "1", "to", "1", "0.9100", "0.9100", "to", "0.9100"]
+    other_schedule = [{**record, "schedule": "constant"} for record in records[:3]]  # same label, another method
+    assert len(summary.seed_summary(records + other_schedule).splitlines()) == 5
     half_missed = [{**_record("mean", 2, 64, 1, curve), "seed": s} for s, curve in enumerate([[0.5], [0.95]])]
     assert summary.seed_summary(half_missed).splitlines()[2].split()[7:11] == [">4", "1", "to", ">4"]
 
@@ -362,7 +378,9 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
         assert record["epochs_until_convergence"] == expected_epochs
         assert (record["score"] is None) == (expected_epochs == -1)
         assert record["command"] == "tf-adasum eval " + " ".join(argv)  # provenance beside date and machine
-        assert re.fullmatch(r"([0-9a-f]{7,}(-dirty)?)?", record["commit"]) and record["date"] and record["machine"]
+        in_checkout = os.path.isdir(os.path.join(os.path.dirname(__file__), os.pardir, ".git"))
+        commit = r"[0-9a-f]{7,}(-dirty)?" if in_checkout else ""
+        assert re.fullmatch(commit, record["commit"]) and record["date"] and record["machine"]
     rows = list(csv.DictReader(open(tmp_path / "results.csv", encoding="utf-8")))
     assert [row["combiner"] for row in rows] == ["adasum", "keras-scaled"]
     assert "eff.batch" in out and "min/epoch" in out

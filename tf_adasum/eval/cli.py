@@ -31,6 +31,7 @@ import sys
 
 from tf_adasum.eval import quiet, summary
 from tf_adasum.eval.config import (
+    BASE_LR,
     COMBINERS,
     ENGINES,
     INNER_OPTIMIZERS,
@@ -107,10 +108,7 @@ def _replicas() -> list[RunConfig]:
 
 #: Where the replica sweep's Adasum stops: its N, and the variants tried there.
 EDGE_REPLICA_COUNTS = (32, 64, 128, 256)
-#: LAMB's single-worker rate, chosen as Adam's 1e-3 was: the recipe (one
-#: replica, batch 64, cosine, 10 epochs, seed 0) reached 99.3% at 3e-3 (epoch
-#: 4), not at 1e-3 (best 99.27%) nor at 1e-2 (best 98.45%, unstable).
-LAMB_LR = 3e-3
+LAMB_LR = BASE_LR["lamb"]  # LAMB's single-worker rate (see BASE_LR)
 EDGE_VARIANTS = (
     dict(combiner="adasum", mode="gradient"),
     dict(combiner="adasum", inner="lamb", lr=LAMB_LR),
@@ -349,13 +347,16 @@ def _run_timing(args, plan: _Plan) -> None:
 
 def _commit() -> str:
     """The checkout's commit (short hash, ``-dirty`` with uncommitted changes to
-    tracked files), or ``""`` where the package is not in a git checkout."""
+    the code: the package, the benchmarks, setup.py; records and pages, which
+    a run into ``docs/`` writes itself, do not count), or ``""`` where the
+    package is not in a git checkout."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD"], capture_output=True)
+        code = ["tf_adasum", "benchmarks", "setup.py"]
+        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--", *code], capture_output=True)
     except OSError:  # no git
         return ""
     if head.returncode != 0:
@@ -382,7 +383,7 @@ def _run_grid(args, plan: _Plan) -> None:
     for index, config in enumerate(todo, start=1):
         if args.preset in ("replicas", "edge") and summary.stops_early(config, records):
             print(
-                f"[{index}/{len(todo)}] skipped: {config.combiner} K={config.local_steps} N={config.replicas} "
+                f"[{index}/{len(todo)}] skipped: {config.method} K={config.local_steps} N={config.replicas} "
                 "(every seed failed the target at two consecutive smaller N)",
                 flush=True,
             )

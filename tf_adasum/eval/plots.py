@@ -34,8 +34,10 @@ _FILLSTYLES = ("full", "left", "bottom", "right")  # per local steps K; an open 
 
 
 def _method(record: dict) -> str:
-    """The record's method (`RunConfig.method`; fields it lacks take their defaults)."""
-    return config_of(record).method
+    """The record's method: its ``method`` where it names one (the rows of
+    ``benchmarks/time_to_accuracy.py``), else `RunConfig.method` of its
+    fields (those it lacks take their defaults)."""
+    return record["method"] if "method" in record else config_of(record).method
 
 
 def _key(record: dict) -> tuple[str, int]:

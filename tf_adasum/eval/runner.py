@@ -53,8 +53,10 @@ __all__ = [
 def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.optimizers.schedules.LearningRateSchedule:
     """The configuration's learning rate: a float, or a Keras schedule over the
     optimizer's iterations, defined per epoch so that it means the same at
-    every batch size. ``iterations`` counts one per training step at K = 1
-    (delta mode counts local steps, gradient mode combined steps).
+    every batch size. The optimizer's ``iterations`` count local steps in
+    delta mode (one per training step, whatever K) and combined steps in
+    gradient mode (one per K training steps), so the schedule is laid out
+    over ``ceil(steps_per_epoch / K)`` iterations an epoch in gradient mode.
 
     ``cosine``: from ``lr`` down to 0 over the epoch budget. ``keras-scaled``
     (Goyal et al. 2017's recipe with the square-root rule usual for Adam,
@@ -67,6 +69,8 @@ def learning_rate(config: RunConfig, steps_per_epoch: int) -> float | keras.opti
     peak left at ``lr``: from ``lr * sqrt(BASE_BATCH / effective batch)`` (the
     fraction of the peak ``keras-scaled`` starts from) up to ``lr``.
     """
+    if config.mode == "gradient":
+        steps_per_epoch = -(-steps_per_epoch // config.local_steps)
     start, peak, warmup_steps = config.lr, config.lr, 0
     scale = math.sqrt(config.effective_batch / BASE_BATCH)
     if scale > 1.0 and (config.combiner == "keras-scaled" or config.lr_rule == "scaled"):

@@ -30,9 +30,11 @@ def config_of(record: dict) -> RunConfig:
     return RunConfig(**{f.name: record[f.name] for f in dataclasses.fields(RunConfig) if f.name in record})
 
 
-def _same_method(config: RunConfig) -> tuple:
-    """What identifies a method along the replica axis: everything but N and the seed."""
-    return dataclasses.replace(config, replicas=1, seed=0).key()
+def _same_method(config: RunConfig, *axes: str) -> tuple:
+    """What identifies a method along the replica axis: everything but N and
+    the seed (and the other `axes` named)."""
+    defaults = RunConfig()
+    return dataclasses.replace(config, **{name: getattr(defaults, name) for name in ("replicas", "seed", *axes)}).key()
 
 
 #: The methods the replica sweep always runs to its last N (at one local step).
@@ -88,7 +90,7 @@ def format_table(records: list[dict]) -> str:
     header = [
         "model",
         "data",
-        "combiner",
+        "method",
         "N",
         "batch",
         "local",
@@ -123,14 +125,16 @@ def largest_reached(records: list[dict]) -> list[str]:
     groups: dict[tuple, dict[int, bool]] = {}
     shapes: dict[tuple, set[str]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], config_of(r).method, r["local_steps"], r["target"])
+        config = config_of(r)
+        same = _same_method(config, "batch_per_replica")
+        key = (r["model"], r["dataset"], config.method, r["local_steps"], r["target"], same)
         reached = groups.setdefault(key, {})
         batch = r["effective_batch"]
         reached[batch] = reached.get(batch, True) and r["epochs_until_convergence"] > 0
         shapes.setdefault((*key, batch), set()).add(f"N={r['replicas']} x {r['batch_per_replica']}")
     lines = []
     for key, reached in groups.items():
-        model, dataset, combiner, k, target = key
+        model, dataset, combiner, k, target, _ = key
         batches = sorted(b for b, ok in reached.items() if ok)
         tried = f"of {', '.join(map(str, sorted(reached)))}"
         largest = f"{batches[-1]} ({', '.join(sorted(shapes[(*key, batches[-1])]))})" if batches else "none"
@@ -148,15 +152,16 @@ def seed_summary(records: list[dict]) -> str:
     where half the seeds missed the target counts as missed."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        key = (r["model"], r["dataset"], config_of(r).method, r["local_steps"], r["replicas"], r["batch_per_replica"])
-        groups.setdefault(key, []).append(r)
+        config = config_of(r)
+        key = (r["model"], r["dataset"], config.method, r["local_steps"], r["replicas"], r["batch_per_replica"])
+        groups.setdefault((*key, _same_method(config)), []).append(r)
 
     def shown(value, budget):
         return f">{budget}" if math.isinf(value) else f"{value:g}"
 
-    header = ["model", "data", "combiner", "K", "N", "eff.batch", "seeds", "epochs (median)", "range", "best (median)"]
+    header = ["model", "data", "method", "K", "N", "eff.batch", "seeds", "epochs (median)", "range", "best (median)"]
     rows = [header + ["range"]]
-    for (model, dataset, combiner, k, n, _), runs in groups.items():
+    for (model, dataset, combiner, k, n, _, _), runs in groups.items():
         budget = max(r["epochs"] for r in runs)
         reached = [metrics.epochs_or_inf(r) for r in runs]
         best = [r["best_acc"] for r in runs]
@@ -176,20 +181,25 @@ def replica_table(records: list[dict]) -> str:
     with their range where the seeds differ, or, where the median run missed
     the target, ``>budget`` (with the range where some seed reached it) and
     the median best accuracy. The last column is the largest N where every
-    seed reached the target, with its effective batch (``none``)."""
+    seed of the table ran and reached the target, with its effective batch
+    (``none``). Rows are methods with all their fields (but N and the seed)
+    the same, named by `RunConfig.method`."""
     rows: dict[tuple, dict[int, list[dict]]] = {}
     for r in records:
-        rows.setdefault((config_of(r).method, r["local_steps"]), {}).setdefault(r["replicas"], []).append(r)
+        config = config_of(r)
+        key = (config.method, r["local_steps"], _same_method(config))
+        rows.setdefault(key, {}).setdefault(r["replicas"], []).append(r)
     counts = sorted({r["replicas"] for r in records})
+    seeds = {r["seed"] for r in records}
     header = ["method", *(f"N={n}" if i == 0 else str(n) for i, n in enumerate(counts)), "largest N, every seed"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for (method, k), by_n in rows.items():
+    for (method, k, _), by_n in rows.items():
         label = method if k == 1 else f"{method}, {k} local steps"
         cells, largest = [], "none"
         for n in counts:
             runs = by_n.get(n, [])
             cells.append(_replica_cell(runs))
-            if runs and all(r["epochs_until_convergence"] > 0 for r in runs):
+            if {r["seed"] for r in runs} == seeds and all(r["epochs_until_convergence"] > 0 for r in runs):
                 largest = f"{n} ({runs[0]['effective_batch']})"
         lines.append("| " + " | ".join([label, *cells, largest]) + " |")
     return "\n".join(lines)
