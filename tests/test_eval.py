@@ -111,7 +111,7 @@ def test_edge_preset_runs_the_variants_beside_the_sweeps_own_runs():
     assert {(c.model, c.batch_per_replica, c.target, c.epochs, c.local_steps) for c in configs} == {
         ("lenet_caffe", 64, 0.993, 10, 1)
     }
-    assert {(c.inner, c.lr) for c in configs} == {("adam", 1e-3), ("lamb", cli.LAMB_LR)}  # each its own rate
+    assert {(c.inner, c.lr) for c in configs} == {("adam", 1e-3), ("lamb", 3e-3)}  # each its own rate
     order = [(c.seed, c.replicas) for c in variants]
     assert order == sorted(order)  # seed by seed, each in order of N
 

@@ -43,7 +43,7 @@ from tf_adasum.eval.config import (
 )
 from tf_adasum.eval.inputs import InputError, check_data, check_output_folder, read_results
 
-__all__ = ["EDGE_REPLICA_COUNTS", "EDGE_VARIANTS", "LAMB_LR", "ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main"]
+__all__ = ["EDGE_REPLICA_COUNTS", "EDGE_VARIANTS", "ONEDNN_KERNELS", "PRESETS", "REPLICA_COUNTS", "main"]
 
 #: The evaluation's kernels (see the module docstring), unless the environment chooses.
 ONEDNN_KERNELS = ("TF_ENABLE_ONEDNN_OPTS", "1")
@@ -108,11 +108,10 @@ def _replicas() -> list[RunConfig]:
 
 #: Where the replica sweep's Adasum stops: its N, and the variants tried there.
 EDGE_REPLICA_COUNTS = (32, 64, 128, 256)
-LAMB_LR = BASE_LR["lamb"]  # LAMB's single-worker rate (see BASE_LR)
 EDGE_VARIANTS = (
     dict(combiner="adasum", mode="gradient"),
-    dict(combiner="adasum", inner="lamb", lr=LAMB_LR),
-    dict(combiner="keras-scaled", inner="lamb", lr=LAMB_LR),  # the `lamb-scaled` baseline
+    dict(combiner="adasum", inner="lamb", lr=BASE_LR["lamb"]),
+    dict(combiner="keras-scaled", inner="lamb", lr=BASE_LR["lamb"]),  # the `lamb-scaled` baseline
     dict(combiner="adasum", lr_rule="warmup"),
     dict(combiner="adasum", lr_rule="scaled"),
 )
@@ -122,7 +121,7 @@ def _edge() -> list[RunConfig]:
     """Where Adasum stops, and what moves the limit: the replicas preset's
     model, data, budget and seeds at N = 32 to 256, with Adasum's variants
     (`EDGE_VARIANTS`): gradient mode; LAMB as the inner optimizer (at its own
-    single-worker rate, `LAMB_LR`), beside LAMB under averaging at
+    single-worker rate, `BASE_LR`), beside LAMB under averaging at
     ``keras-scaled``'s rule (``lamb-scaled``); the warm-up
     ``keras-scaled`` uses, to the base rate; and ``keras-scaled``'s whole rule
     (scaled rate and warm-up), the same chance the baseline has. The sweep's
