@@ -14,7 +14,8 @@ Three engines (``--engine``, default all):
   dispatch as the engine (its native op, or a ``tf.numpy_function`` where the
   native library is unavailable), and ``ratio_native_tf`` = adasum / native_tf.
 
-Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``):
+Prints one JSON object per configuration (``engine``, ``replicas``, ``bytes``,
+and the run's ``date``, ``commit``, ``processor`` and ``command``):
   adasum_ms    Adasum through tf_adasum (vector halving, float64 dots)
   native_ms    the native SUM all-reduce above
   rvh_sum_ms   the same vector-halving collective with a plain sum (transport alone)
@@ -78,6 +79,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -85,6 +87,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 ENGINES = ("local", "workers", "mpi")
 ROLES = ("workers-worker", "mpi-rank")  # what the spawned processes run
+#: The run's date, commit, processor and command (`tf_adasum.eval.provenance`), added by the
+#: parent to every record it prints (the spawned processes' records come without them).
+_PROVENANCE: dict = {}
 
 
 def _parse_args(argv=None):
@@ -142,6 +147,10 @@ def main(argv=None):
         return _workers_worker(args)
     if args.engine == ["mpi-rank"]:
         return _mpi_rank(args)
+    from tf_adasum.eval import provenance
+
+    command = provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
+    _PROVENANCE.update(provenance.fields(command))
     if "local" in args.engine:
         cpus = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(
@@ -175,7 +184,6 @@ def _forwarded_args(args):
 def _spawn(engine, n, args):
     """Runs this script as N processes; prints the JSON lines of process 0."""
     import subprocess
-    import sys
 
     script = os.path.abspath(__file__)
     hosts = ["--hosts", str(n), "--link", args.link] if args.link else []
@@ -197,7 +205,7 @@ def _spawn(engine, n, args):
         raise SystemExit(f"{engine} benchmark with {n} processes failed:\n{(result.stdout + result.stderr)[-4000:]}")
     for line in result.stdout.splitlines():
         if line.startswith(prefix + "{"):
-            print(line[len(prefix) :], flush=True)
+            print(json.dumps({**json.loads(line[len(prefix) :]), **_PROVENANCE}), flush=True)
 
 
 def level_slices(elements: int, n: int) -> list[int]:
@@ -447,10 +455,10 @@ def _bench_strategy(engine, strategy, cross_device_ops, args, repeats, min_secon
             if args.compression:
                 calls.append(lambda value=value: compressed(value))
             times = _interleaved_medians_ms(calls, repeats, min_seconds, barrier=barrier, warmup=warmup)
-            if report:
+            if report:  # in the parent (engine local): with its provenance
                 record = _with_floor(_record(engine, n, dtype, elements, *times[:3]), times[3])
                 _with_compressed(record, args.compression, times[-1])
-                print(json.dumps(_with_link(record, args.link)), flush=True)
+                print(json.dumps({**_with_link(record, args.link), **_PROVENANCE}), flush=True)
 
 
 if __name__ == "__main__":

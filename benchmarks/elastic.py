@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -38,21 +37,6 @@ LAUNCH_PY = os.path.join(ROOT, "tf_adasum", "launch.py")
 STEPS, BATCH_PER_WORKER = 40, 32
 #: The run's batch at which worker 1 is killed in round r: spread over the run, never a multiple of 16.
 FIRST_KILL, KILL_EVERY = 9, 11
-
-
-def commit() -> str:
-    """The project's commit (with ``+changes`` when the tree differs from it)."""
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True)
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
-def processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _worker(out: str, save_freq: int, kills: int, signal_name: str) -> None:
@@ -112,6 +96,8 @@ def _worker(out: str, save_freq: int, kills: int, signal_name: str) -> None:
 
 
 def _measure(save_freq: int, kills: int, workers: int, signal_name: str) -> dict:
+    from tf_adasum.eval import provenance
+
     with tempfile.TemporaryDirectory(prefix="tf_adasum_elastic_") as out:
         worker = [os.path.abspath(__file__), "--worker", out, str(save_freq), str(kills), signal_name]
         command = [sys.executable, LAUNCH_PY, "-n", str(workers), "--max-restarts", str(kills), *worker]
@@ -140,9 +126,7 @@ def _measure(save_freq: int, kills: int, workers: int, signal_name: str) -> dict
         "recovery_median_s": round(statistics.median(recovery), 2),
         "ratio_to_cold_start": round(statistics.median(recovery) / cold, 3),
         "batches_redone": redone,
-        "processor": processor(),
-        "commit": commit(),
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance.fields(),
     }
 
 

@@ -38,8 +38,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic import LAUNCH_PY, commit, processor  # noqa: E402
+from elastic import LAUNCH_PY  # noqa: E402
 
+from tf_adasum.eval import provenance  # noqa: E402
 from tf_adasum.launcher.elastic import holding_counts  # noqa: E402
 
 BATCH_PER_REPLICA, TRAIN_EXAMPLES = 64, 60000
@@ -193,9 +194,7 @@ def main() -> None:
                 "bitwise_equal": equal,
                 "reference": runs["reference"],
                 "chaos": runs["chaos"],
-                "commit": commit(),
-                "processor": processor(),
-                "date": time.strftime("%Y-%m-%d"),
+                **provenance.fields(),
             }
         )
     )

@@ -84,21 +84,6 @@ BEYOND_TOLERANCE = {
 }
 
 
-def _git_commit() -> str:
-    """HEAD, with ``-dirty`` when tracked files differ from it."""
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    changed = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
-    return (result.stdout.strip() or "unknown") + ("-dirty" if changed.stdout.strip() else "")
-
-
-def _processor() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return f"{os.cpu_count()} cores"
-
-
 def eval_command(model: str, combiner: str, local_steps: int, replicas: int, out: str, hosts: int = 0, link: str = ""):
     """The evaluation's command line for one timed configuration."""
     command = [sys.executable, "-m", "tf_adasum.eval", "--models", model, "--combiners", combiner]
@@ -185,12 +170,12 @@ def main(argv=None) -> int:
     elif os.path.exists(records_path):
         os.remove(records_path)
     cores = os.cpu_count() or 1
-    provenance = {
-        "command": " ".join(["python", "benchmarks/emulated_training.py", *(argv or sys.argv[1:])]),
-        "commit": _git_commit(),  # the script's, which computed the prediction
-        "runs_commit": RUNS_COMMIT,
-        "processor": _processor(),
-    }
+    from tf_adasum.eval import provenance as provenance_of
+
+    # The script's commit, which computed the prediction; the date is each row's run's.
+    provenance = provenance_of.fields(provenance_of.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
+    del provenance["date"]
+    provenance["runs_commit"] = RUNS_COMMIT
     for model in args.models:
         examples = MODELS[model]
         single = os.path.join(args.out, "runs", f"{model}-single")

@@ -3,7 +3,8 @@
 Spawns ``mpirun -np N`` of itself (``--role rank``) for each N of
 ``--replicas``; float32, one tensor per call for each of ``--sizes`` (bytes),
 then four small tensors (1,000 + 3 + 70,000 + 1 elements) in one call.
-Prints one JSON object per configuration:
+Prints one JSON object per configuration, with the run's ``date``, ``commit``,
+``processor`` and ``command`` (`tf_adasum.eval.provenance`):
 
   adasum_ms     TfAdasumMpiTree, rule "adasum", in a traced tf.function
   tree_sum_ms   the same op with rule "sum" (the tree's transport alone)
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
 
     # Build once here, so that the ranks only load the library.
     subprocess.run([sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"], check=True, capture_output=True)
+    from tf_adasum.eval import provenance
+
+    origin = provenance.fields(provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
     forwarded = ["--sizes", *map(str, args.sizes), "--repeats", str(args.repeats), "--timeout", str(args.timeout)]
     for n in args.replicas:
         command = mpirun_command(n) + [sys.executable, os.path.abspath(__file__), "--role", "rank", *forwarded]
@@ -62,7 +66,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the benchmark with {n} ranks failed:\n{(result.stdout + result.stderr)[-4000:]}")
         for line in result.stdout.splitlines():
             if line.startswith("{"):
-                print(line, flush=True)
+                print(json.dumps({**json.loads(line), **origin}), flush=True)
     return 0
 
 

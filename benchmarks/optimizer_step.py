@@ -8,6 +8,7 @@ Prints one JSON object per model:
   bytes        the trainable weights' size
   extra_state_bytes     optimizer state the wrapper adds beyond the inner optimizer's slots
   transient_copy_bytes  the weights snapshot a delta-mode step holds (one copy of the weights)
+  date, commit, processor, command   the run's provenance (`tf_adasum.eval.provenance`)
 Times are medians over timed `train_on_batch` calls after warm-up, the two
 optimizers taking turns (5 turns of steps / 5 steps each).
 
@@ -73,6 +74,7 @@ def main(argv=None):
     import numpy as np
 
     import tf_adasum
+    from tf_adasum.eval import provenance
 
     devices = [f"/cpu:{i}" for i in range(args.replicas)]
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf_adasum.AdasumCrossDeviceOps())
@@ -102,7 +104,7 @@ def main(argv=None):
         record["extra_state_bytes"] = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in own)
         record["transient_copy_bytes"] = weights_bytes
         record["ratio"] = round(record["adasum_ms"] / record["inner_ms"], 3)
-        print(json.dumps(record), flush=True)
+        print(json.dumps({**record, **provenance.fields()}), flush=True)
 
 
 if __name__ == "__main__":

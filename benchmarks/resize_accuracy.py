@@ -34,12 +34,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # as `tf-adasum eval` does
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from elastic import commit, processor  # noqa: E402
 
 BATCH_PER_REPLICA, LR, TARGET = 64, 1e-3, 0.993
 ROWS = [("adasum", "fixed"), ("adasum", "8-4-8"), ("keras", "fixed"), ("keras", "8-4-8"), ("keras-linear", "8-4-8")]
@@ -148,7 +146,9 @@ def main() -> None:
             if result.returncode != 0:
                 raise RuntimeError(f"{combiner} {schedule} seed {seed} failed: {result.stderr[-3000:]}")
             record = json.loads(result.stdout.strip().splitlines()[-1])
-            record.update(date=time.strftime("%Y-%m-%d"), commit=commit(), processor=processor())
+            from tf_adasum.eval import provenance
+
+            record.update(provenance.fields())
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")
             done.append(record)

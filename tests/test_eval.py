@@ -377,10 +377,11 @@ def test_tiny_end_to_end_and_resume(tmp_path, capsys):
         expected_epochs = 1 if record["final_acc"] >= 0.5 else -1
         assert record["epochs_until_convergence"] == expected_epochs
         assert (record["score"] is None) == (expected_epochs == -1)
-        assert record["command"] == "tf-adasum eval " + " ".join(argv)  # provenance beside date and machine
+        assert record["command"] == "tf-adasum eval " + " ".join(argv)  # provenance beside date and processor
         in_checkout = os.path.isdir(os.path.join(os.path.dirname(__file__), os.pardir, ".git"))
         commit = r"[0-9a-f]{7,}(-dirty)?" if in_checkout else ""
         assert re.fullmatch(commit, record["commit"]) and record["date"] and record["machine"]
+        assert re.fullmatch(r".+, (AVX-512|AVX2|no AVX2)", record["processor"]), record["processor"]
     rows = list(csv.DictReader(open(tmp_path / "results.csv", encoding="utf-8")))
     assert [row["combiner"] for row in rows] == ["adasum", "keras-scaled"]
     assert "eff.batch" in out and "min/epoch" in out

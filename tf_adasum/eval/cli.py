@@ -29,7 +29,7 @@ import os
 import shlex
 import sys
 
-from tf_adasum.eval import quiet, summary
+from tf_adasum.eval import provenance, quiet, summary
 from tf_adasum.eval.config import (
     BASE_LR,
     COMBINERS,
@@ -344,25 +344,6 @@ def _run_timing(args, plan: _Plan) -> None:
     print(f"wrote {path}")
 
 
-def _commit() -> str:
-    """The checkout's commit (short hash, ``-dirty`` with uncommitted changes to
-    the code: the package, the benchmarks, setup.py; records and pages, which
-    a run into ``docs/`` writes itself, do not count), or ``""`` where the
-    package is not in a git checkout."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        code = ["tf_adasum", "benchmarks", "setup.py"]
-        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--", *code], capture_output=True)
-    except OSError:  # no git
-        return ""
-    if head.returncode != 0:
-        return ""
-    return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
-
-
 def _run_grid(args, plan: _Plan) -> None:
     results_path = os.path.join(args.out, "results.jsonl")
     done = {summary.config_of(record).key() for record in plan.previous}
@@ -377,7 +358,7 @@ def _run_grid(args, plan: _Plan) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     records = list(plan.previous)
-    provenance = {"commit": _commit(), "command": args.command}  # beside the record's date and machine
+    origin = {"commit": provenance.commit(), "command": args.command}  # beside the record's date and processor
     mode = "a" if args.resume else "w"  # earlier results are replaced only once a new record is ready
     for index, config in enumerate(todo, start=1):
         if args.preset in ("replicas", "edge") and summary.stops_early(config, records):
@@ -389,7 +370,7 @@ def _run_grid(args, plan: _Plan) -> None:
             continue
         progress = _Progress(index, len(todo), config)
         record = run_in_processes(config, not args.no_stop, progress, args.data_dir, args.verbose)
-        record = {**record, **provenance}
+        record = {**record, **origin}
         progress.close()
         records.append(record)
         with open(results_path, mode, encoding="utf-8") as f:

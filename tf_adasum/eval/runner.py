@@ -32,7 +32,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from tf_adasum.eval import metrics
+from tf_adasum.eval import metrics, provenance
 from tf_adasum.eval.config import BASE_BATCH, COMBINERS, ENGINES, KERAS_BASELINES, WARMUP_EPOCHS, RunConfig
 
 __all__ = [
@@ -221,21 +221,10 @@ def record(config: RunConfig, accuracy: list[float], seconds: list[float], stop_
         "score": metrics.score(epochs, minutes_per_epoch),
         "stopped_at_target": stop_at_target,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {_cpu_name()}, {_cpu_count()} cores, Python {sys.version.split()[0]}",
+        "machine": f"{platform.machine()}, {_cpu_count()} cores, Python {sys.version.split()[0]}",
+        "processor": provenance.processor(),
         "kernels": _kernels(),
     }
-
-
-def _cpu_name() -> str:
-    """The processor's model name (from /proc/cpuinfo where there is one)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown processor"
 
 
 def _kernels() -> str:

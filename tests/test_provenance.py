@@ -1,0 +1,61 @@
+"""Provenance (`tf_adasum.eval.provenance`): every record names its date, the
+commit, the processor and the command; a benchmark's records, printed by a
+real run of benchmarks/collective.py, carry them."""
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+from multiprocess import worker_env
+
+from tf_adasum.eval import provenance
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IN_CHECKOUT = os.path.isdir(os.path.join(ROOT, ".git"))
+COMMIT = r"[0-9a-f]{7,}(-dirty)?" if IN_CHECKOUT else ""
+PROCESSOR = r".+, (AVX-512|AVX2|no AVX2)"
+
+
+def test_fields_name_date_commit_processor_and_command():
+    fields = provenance.fields("python benchmarks/soak.py --minutes 1")
+    assert sorted(fields) == ["command", "commit", "date", "processor"]
+    assert fields["command"] == "python benchmarks/soak.py --minutes 1"
+    date = datetime.datetime.fromisoformat(fields["date"])
+    assert date.tzinfo is not None and abs(datetime.datetime.now(datetime.timezone.utc) - date).total_seconds() < 60
+    assert re.fullmatch(COMMIT, fields["commit"]), fields["commit"]
+    assert re.fullmatch(PROCESSOR, fields["processor"]), fields["processor"]
+
+
+def test_the_command_is_written_from_the_repository_root():
+    script = os.path.join(ROOT, "benchmarks", "mpi_native.py")
+    assert provenance.command_line([script, "--sizes", "1 2"]) == "python benchmarks/mpi_native.py --sizes '1 2'"
+    assert provenance.command_line(["/elsewhere/x.py", "-v"]) == "python /elsewhere/x.py -v"
+
+
+def test_the_vector_extension_is_the_widest_offered():
+    assert provenance.vector_extension({"avx2", "avx512f", "avx512bw"}) == "AVX-512"
+    assert provenance.vector_extension({"avx", "avx2"}) == "AVX2"
+    assert provenance.vector_extension({"avx"}) == "no AVX2"
+    assert provenance.vector_extension(set()) == "no AVX2"
+
+
+def test_a_benchmark_record_carries_its_provenance():
+    argv = ["--engine", "local", "--replicas", "2", "--sizes", "4096", "--repeats", "1", "--min-seconds", "0"]
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "collective.py"), *argv],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1, result.stdout
+    record = records[0]
+    assert record["command"] == "python benchmarks/collective.py " + " ".join(argv)
+    assert re.fullmatch(COMMIT, record["commit"]) and re.fullmatch(PROCESSOR, record["processor"]), record
+    assert datetime.datetime.fromisoformat(record["date"]).date() == datetime.datetime.now(datetime.timezone.utc).date()

@@ -1,0 +1,130 @@
+"""Where a record came from: its date, the commit, the processor and the command.
+
+Every evaluation record (`tf_adasum.eval.runner`) and every benchmark record
+(``benchmarks/*.py``) carries these four fields, so that a figure in the
+documentation can be traced to the code and the machine that produced it:
+
+* ``date``: UTC, ISO 8601 to the second (``2026-12-07T01:02:03+00:00``);
+* ``commit``: the checkout's short hash, with ``-dirty`` when the code (the
+  package, the benchmarks, ``setup.py``) differs from it; records and pages,
+  which a run into ``docs/`` writes itself, do not count; ``""`` outside a git
+  checkout;
+* ``processor``: the model name from ``/proc/cpuinfo`` and the widest x86
+  vector extension it offers (``AVX-512``, ``AVX2`` or ``no AVX2``), which is
+  what the dot products' speed depends on;
+* ``command``: the command line, as a user would type it from the
+  repository's root.
+
+Standard library only.
+
+Examples:
+    >>> from tf_adasum.eval import provenance
+    >>> sorted(provenance.fields("python benchmarks/collective.py --engine mpi"))
+    ['command', 'commit', 'date', 'processor']
+    >>> provenance.vector_extension({"avx2", "avx512f"})
+    'AVX-512'
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+__all__ = ["command_line", "commit", "fields", "processor", "vector_extension"]
+
+#: The repository's root (the folder above the package).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: What counts as the code for ``-dirty``: not the records and pages under docs/.
+CODE_PATHS = ("tf_adasum", "benchmarks", "setup.py")
+
+
+def commit() -> str:
+    """The checkout's short commit hash, ``-dirty`` with uncommitted changes to
+    the code (`CODE_PATHS`), or ``""`` where the package is not in a git checkout.
+
+    Examples:
+        >>> isinstance(commit(), str)
+        True
+    """
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", *CODE_PATHS], capture_output=True)
+    except OSError:  # no git
+        return ""
+    if head.returncode != 0:
+        return ""
+    return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+
+
+def vector_extension(flags: set[str]) -> str:
+    """The widest x86 vector extension among a processor's ``flags``.
+
+    Examples:
+        >>> vector_extension({"sse2", "avx", "avx2", "fma"})
+        'AVX2'
+        >>> vector_extension({"sse2"})
+        'no AVX2'
+    """
+    if "avx512f" in flags:
+        return "AVX-512"
+    return "AVX2" if "avx2" in flags else "no AVX2"
+
+
+def processor() -> str:
+    """This machine's processor: its model name and widest vector extension
+    (``"AMD EPYC, AVX2"``), or `platform.processor` where ``/proc/cpuinfo``
+    cannot be read.
+
+    Examples:
+        >>> isinstance(processor(), str)
+        True
+    """
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                if name and flags:
+                    break
+    except OSError:
+        return platform.processor() or "unknown processor"
+    return f"{name or platform.processor() or 'unknown processor'}, {vector_extension(flags)}"
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """This process's command line (``argv``, default `sys.argv`) as typed from
+    the repository's root: ``python``, then the script's path relative to it.
+
+    Examples:
+        >>> command_line([os.path.join(ROOT, "benchmarks", "collective.py"), "--engine", "mpi"])
+        'python benchmarks/collective.py --engine mpi'
+    """
+    argv = list(sys.argv if argv is None else argv)
+    script = argv[0] if argv else ""
+    if os.path.isabs(script) and script.startswith(ROOT + os.sep):
+        script = os.path.relpath(script, ROOT)
+    return shlex.join(["python", script, *argv[1:]])
+
+
+def fields(command: str | None = None) -> dict[str, str]:
+    """The four provenance fields of a record made now: ``date``, ``commit``,
+    ``processor`` and ``command`` (default: `command_line`).
+
+    Examples:
+        >>> fields("tf-adasum eval --preset edge")["command"]
+        'tf-adasum eval --preset edge'
+    """
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "processor": processor(),
+        "command": command_line() if command is None else command,
+    }
