@@ -33,6 +33,7 @@
 #include <climits>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <functional>

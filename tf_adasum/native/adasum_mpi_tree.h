@@ -24,8 +24,20 @@
 // * Phase 2 gathers the slices back (distance halving); rank 2i sends the
 //   result back to 2i+1. Every element is computed by exactly one rank.
 //
+// Pipelined: a level's partial sums are computed message by message as the
+// partner's messages arrive (each tensor's piece in a message summed from
+// zero by the kernel), and added into the level's sums in message order once
+// all have arrived, so the summation order is fixed whatever the arrival
+// order: a tensor's sum over a slice is the in-order sum of its 256 KiB
+// pieces' sums. Once the coefficients are known, the half the next level
+// sends is scaled first, the next level's exchange posted, and the half it
+// keeps scaled while those messages move (testing them between 256 KiB
+// chunks). The fold is not pipelined (whole tensors, one Dots per tensor).
+//
 // Inputs are read in place and results written straight into the outputs
-// (which take over the inputs' buffers when nothing else holds them); small
+// (which take over the inputs' buffers when nothing else holds them; then, or
+// after the first level, the partner's values arrive in a scratch buffer of
+// the fused vector's size, two regions of half each); small
 // tensors' pieces share MPI messages (an hindexed datatype), large ones go
 // as messages of their own, none over 256 KiB (kMaxMessageBytes). Every wait
 // polls against `timeout_seconds` and fails with DEADLINE_EXCEEDED naming the
@@ -73,27 +85,28 @@ class Tree {
     const int folded = call->folded;
     const int64_t total = call->layout->total();
     // Where the partner's values arrive: straight into the outputs while they
-    // hold nothing yet (and are not the inputs), else into scratch memory,
-    // allocated at its first (largest) use.
+    // hold nothing yet (and are not the inputs), else into scratch memory of
+    // two regions of half the vector each, allocated at its first use: a
+    // level's values arrive in one region while the level before still reads
+    // the other (the fold takes both).
     bool outputs_free = !call->in_place;
-    Tensor scratch;
-    int64_t scratch_size = 0;
-    View<T> received{call->layout, {}, nullptr, 0};
-    auto arrival = [&](int64_t lo, int64_t hi, const View<T>** into) -> Status {
+    const int64_t region = (total + 1) / 2;
+    T* scratch = nullptr;
+    auto arrival = [&](int64_t lo, int64_t hi, int which, View<T>* into) -> Status {
       if (outputs_free) {
-        *into = &call->out;
+        *into = call->out;
         return absl::OkStatus();
       }
-      if (scratch_size == 0) {
-        scratch_size = std::max<int64_t>(hi - lo, 1);
-        TF_RETURN_IF_ERROR(context->allocate_temp(DataTypeToEnum<T>::value, TensorShape({scratch_size}), &scratch));
-        AdviseHugePages(scratch.flat<T>().data(), scratch.TotalBytes());
-        buffers->push_back(scratch);
-        received.flat = scratch.flat<T>().data();
+      if (scratch == nullptr) {
+        Tensor tensor;
+        TF_RETURN_IF_ERROR(
+            context->allocate_temp(DataTypeToEnum<T>::value, TensorShape({std::max<int64_t>(2 * region, 1)}), &tensor));
+        AdviseHugePages(tensor.flat<T>().data(), tensor.TotalBytes());
+        buffers->push_back(tensor);
+        scratch = tensor.flat<T>().data();
       }
-      if (hi - lo > scratch_size) return absl::InternalError("tf_adasum MPI engine: scratch too small");
-      received.origin = lo;
-      *into = &received;
+      if (hi - lo > (2 - which) * region) return absl::InternalError("tf_adasum MPI engine: scratch too small");
+      *into = View<T>{call->layout, {}, scratch + which * region, lo};
       return absl::OkStatus();
     };
 
@@ -108,13 +121,19 @@ class Tree {
           return absl::StrCat("the fold receive of the result from rank ", rank - 1);
         });
       }
-      // Fold: a = this rank's, b = rank + 1's.
-      const View<T>* theirs = nullptr;
-      TF_RETURN_IF_ERROR(arrival(0, total, &theirs));
-      TF_RETURN_IF_ERROR(Transfer(call, rank + 1, nullptr, 0, 0, 0, theirs, 0, total, kTagFold, [=] {
+      // Fold: a = this rank's, b = rank + 1's (whole tensors, not pipelined).
+      View<T> theirs;
+      TF_RETURN_IF_ERROR(arrival(0, total, 0, &theirs));
+      TF_RETURN_IF_ERROR(Transfer(call, rank + 1, nullptr, 0, 0, 0, &theirs, 0, total, kTagFold, [=] {
         return absl::StrCat("the fold receive from rank ", rank + 1);
       }));
-      TF_RETURN_IF_ERROR(Combine(call, call->in, *theirs, 0, total, 0, nullptr, 0));
+      double* sums = call->partials;
+      if (call->rule == Rule::kAdasum) {
+        call->layout->ForEachPiece(0, total, [&](int t, int64_t begin, int64_t count) {
+          Dots(call->in.At(t, begin), theirs.At(t, begin), count, sums + 3 * t);
+        });
+      }
+      TF_RETURN_IF_ERROR(Scale(call, call->in, theirs, Coefficients(call, sums), 0, total, nullptr));
       virtual_rank = rank / 2;
       mine = &call->out;
       outputs_free = false;
@@ -123,46 +142,50 @@ class Tree {
     }
     int level = folded ? 1 : 0;
 
-    // Phase 1: reduce-scatter by vector halving.
-    struct Kept {
-      int64_t lo, hi;
-      bool lower;  // this rank kept the lower half
-    };
-    std::vector<Kept> kept;  // per level
-    int64_t lo = 0, hi = total;
-    for (int bit = 1; bit < call->leaves; bit <<= 1, ++level) {
-      const int partner = RealRank(virtual_rank ^ bit, folded);
-      const bool lower = !(virtual_rank & bit);
-      const int64_t mid = lo + (hi - lo) / 2;
-      const int64_t keep_lo = lower ? lo : mid, keep_hi = lower ? mid : hi;
-      const int64_t give_lo = lower ? mid : lo, give_hi = lower ? hi : mid;
-      const View<T>* theirs = nullptr;
-      TF_RETURN_IF_ERROR(arrival(keep_lo, keep_hi, &theirs));
-      TF_RETURN_IF_ERROR(Transfer(call, partner, mine, give_lo, give_hi, kTagHalving, theirs, keep_lo, keep_hi,
-                                  kTagHalving, [=] {
-                                    return absl::StrCat("the exchange of level ", level, " with rank ", partner);
-                                  }));
-      const View<T>& a = lower ? *mine : *theirs;
-      const View<T>& b = lower ? *theirs : *mine;
-      const int block_start = virtual_rank & ~(2 * bit - 1);
-      std::vector<int> group;
-      for (int v = block_start; v < block_start + 2 * bit; ++v) group.push_back(RealRank(v, folded));
-      TF_RETURN_IF_ERROR(Combine(call, a, b, keep_lo, keep_hi, level, &group, virtual_rank - block_start));
-      mine = &call->out;
+    // Phase 1: reduce-scatter by vector halving. A level's exchange is posted
+    // by the level before as soon as the values it sends are final (see Half).
+    std::vector<Half> halves;
+    for (int bit = 1; bit < call->leaves; bit <<= 1) halves.push_back(Halve(virtual_rank, bit, folded, total, halves));
+    std::unique_ptr<Exchange> exchange;
+    for (size_t k = 0; k < halves.size(); ++k, ++level) {
+      const Half& half = halves[k];
+      if (exchange == nullptr) {
+        View<T> theirs;
+        TF_RETURN_IF_ERROR(arrival(half.keep_lo, half.keep_hi, k % 2, &theirs));
+        TF_RETURN_IF_ERROR(Post(call, half, mine, &theirs, level, &exchange));
+      }
       outputs_free = false;
-      kept.push_back({keep_lo, keep_hi, lower});
-      lo = keep_lo;
-      hi = keep_hi;
+      const View<T>& a = half.lower ? *mine : exchange->into;
+      const View<T>& b = half.lower ? exchange->into : *mine;
+      double* sums = call->partials + static_cast<size_t>(level) * call->layout->num_tensors() * 3;
+      TF_RETURN_IF_ERROR(Receive(call, exchange.get(), a, b, sums));
+      if (call->rule == Rule::kAdasum) {
+        std::vector<int> group;
+        for (int v = half.block_start; v < half.block_start + 2 * half.bit; ++v) group.push_back(RealRank(v, folded));
+        TF_RETURN_IF_ERROR(SumOverGroup(call, sums, group, virtual_rank - half.block_start, level));
+      }
+      const std::vector<double> coefficients = Coefficients(call, sums);
+      std::unique_ptr<Exchange> next;
+      if (k + 1 < halves.size()) {  // the next level's half to send first, its exchange posted, then the rest
+        const Half& after = halves[k + 1];
+        TF_RETURN_IF_ERROR(Scale(call, a, b, coefficients, after.give_lo, after.give_hi, nullptr));
+        View<T> theirs;
+        TF_RETURN_IF_ERROR(arrival(after.keep_lo, after.keep_hi, (k + 1) % 2, &theirs));
+        TF_RETURN_IF_ERROR(Post(call, after, &call->out, &theirs, level + 1, &next));
+        TF_RETURN_IF_ERROR(Scale(call, a, b, coefficients, after.keep_lo, after.keep_hi, next.get()));
+      } else {
+        TF_RETURN_IF_ERROR(Scale(call, a, b, coefficients, half.keep_lo, half.keep_hi, nullptr));
+      }
+      exchange = std::move(next);
+      mine = &call->out;
     }
 
     // Phase 2: gather the slices back (distance halving), straight into the outputs.
-    for (int k = static_cast<int>(kept.size()) - 1; k >= 0; --k) {
-      const int partner = RealRank(virtual_rank ^ (1 << k), folded);
-      const int64_t parent_lo = k ? kept[k - 1].lo : 0, parent_hi = k ? kept[k - 1].hi : total;
-      const int64_t theirs_lo = kept[k].lower ? kept[k].hi : parent_lo;
-      const int64_t theirs_hi = kept[k].lower ? parent_hi : kept[k].lo;
-      TF_RETURN_IF_ERROR(Transfer(call, partner, &call->out, kept[k].lo, kept[k].hi, kTagGather, &call->out,
-                                  theirs_lo, theirs_hi, kTagGather, [=] {
+    for (int k = static_cast<int>(halves.size()) - 1; k >= 0; --k) {
+      const Half& half = halves[k];
+      const int partner = half.partner;
+      TF_RETURN_IF_ERROR(Transfer(call, partner, &call->out, half.keep_lo, half.keep_hi, kTagGather, &call->out,
+                                  half.give_lo, half.give_hi, kTagGather, [=] {
                                     return absl::StrCat("the gather of level ", k, " with rank ", partner);
                                   }));
     }
@@ -195,56 +218,193 @@ class Tree {
   }
 
  private:
-  // Sends `from`[give_lo, give_hi) to `peer` (unless `from` is null) while
-  // receiving its message into `into`[take_lo, take_hi) (unless null).
-  static Status Transfer(Call* call, int peer, const View<T>* from, int64_t give_lo, int64_t give_hi, int send_tag,
-                         const View<T>* into, int64_t take_lo, int64_t take_hi, int receive_tag,
-                         const std::function<std::string()>& what) {
+  using Clock = std::chrono::steady_clock;
+
+  // Elements scaled between two tests of the next level's requests (256 KiB of float32).
+  static constexpr int64_t kScaleChunk = int64_t{1} << 16;
+
+  // One level of vector halving, as this rank sees it.
+  struct Half {
+    int bit;          // the level's distance in leaves
+    int partner;      // real rank of leaf virtual_rank ^ bit
+    bool lower;       // this rank keeps the lower half (its values are `a`)
+    int block_start;  // first leaf of the 2 * bit leaves whose sums are added
+    int64_t keep_lo, keep_hi, give_lo, give_hi;
+  };
+
+  // The level of distance `bit`, after the levels in `before`, over a fused vector of `total` elements.
+  static Half Halve(int virtual_rank, int bit, int folded, int64_t total, const std::vector<Half>& before) {
+    const int64_t lo = before.empty() ? 0 : before.back().keep_lo;
+    const int64_t hi = before.empty() ? total : before.back().keep_hi;
+    const int64_t mid = lo + (hi - lo) / 2;
+    Half half;
+    half.bit = bit;
+    half.partner = RealRank(virtual_rank ^ bit, folded);
+    half.lower = !(virtual_rank & bit);
+    half.block_start = virtual_rank & ~(2 * bit - 1);
+    half.keep_lo = half.lower ? lo : mid;
+    half.keep_hi = half.lower ? mid : hi;
+    half.give_lo = half.lower ? mid : lo;
+    half.give_hi = half.lower ? hi : mid;
+    return half;
+  }
+
+  // An exchange in flight: this rank's message to a peer and the peer's into
+  // `into`; `arrived`: receive messages that completed before anyone waited.
+  struct Exchange {
     Messages send, receive;
     std::vector<MPI_Request> requests;
     std::vector<Expected> expected;
-    Status described = into == nullptr ? absl::OkStatus() : receive.Describe(*into, take_lo, take_hi);
-    if (described.ok() && from != nullptr) described = send.Describe(*from, give_lo, give_hi);
-    if (!described.ok()) return call->waiter->Abandon(&requests, described);  // the peer's messages stay unmatched
+    std::vector<int> message;  // per request: its receive message's index, or -1 (a send)
+    std::vector<int> arrived;
+    View<T> into;
+    Clock::time_point start;
+    std::function<std::string()> what;
+  };
+
+  // Posts the exchange of `from`[give_lo, give_hi) (null: nothing sent) and
+  // the peer's message into `into`[take_lo, take_hi) (null: nothing received).
+  static Status Post(Call* call, int peer, const View<T>* from, int64_t give_lo, int64_t give_hi, int send_tag,
+                     const View<T>* into, int64_t take_lo, int64_t take_hi, int receive_tag,
+                     std::function<std::string()> what, std::unique_ptr<Exchange>* posted) {
+    auto exchange = std::make_unique<Exchange>();
+    exchange->start = Clock::now();
+    exchange->what = std::move(what);
+    if (into != nullptr) exchange->into = *into;
+    Status described = into == nullptr ? absl::OkStatus() : exchange->receive.Describe(*into, take_lo, take_hi);
+    if (described.ok() && from != nullptr) described = exchange->send.Describe(*from, give_lo, give_hi);
+    if (!described.ok()) return call->waiter->Abandon(&exchange->requests, described);  // the peer's stay unmatched
     // Receive k, then send k, for each k: over TCP, Open MPI moved the
     // halving levels' 256 KiB messages at 1.14-1.16x the link's time posted
     // so, and at 1.9x with every receive posted before the first send (the
     // measurement at kMaxMessageBytes).
     MPI_Comm comm = call->comm.comm;
+    const Messages& receive = exchange->receive;
+    const Messages& send = exchange->send;
     for (size_t k = 0; k < std::max(receive.size(), send.size()); ++k) {
-      Status posted = absl::OkStatus();
-      if (k < receive.size()) posted = receive.Post(k, false, peer, receive_tag, comm, &requests, &expected);
-      if (posted.ok() && k < send.size()) posted = send.Post(k, true, peer, send_tag, comm, &requests, &expected);
-      if (!posted.ok()) return call->waiter->Abandon(&requests, posted);
+      Status status = absl::OkStatus();
+      if (k < receive.size()) {
+        status = receive.Post(k, false, peer, receive_tag, comm, &exchange->requests, &exchange->expected);
+        if (status.ok()) exchange->message.push_back(static_cast<int>(k));
+      }
+      if (status.ok() && k < send.size()) {
+        status = send.Post(k, true, peer, send_tag, comm, &exchange->requests, &exchange->expected);
+        if (status.ok()) exchange->message.push_back(-1);
+      }
+      if (!status.ok()) return call->waiter->Abandon(&exchange->requests, status);
     }
-    return call->waiter->Wait(&requests, &expected, what);
+    *posted = std::move(exchange);
+    return absl::OkStatus();
   }
 
-  // Combines a and b on [lo, hi) into the outputs. Adasum: partial sums over
-  // the slice, summed over `group` (real ranks; this rank is group[me]) unless
-  // null (the fold: whole tensors), recorded as `level`'s partials.
-  static Status Combine(Call* call, const View<T>& a, const View<T>& b, int64_t lo, int64_t hi, int level,
-                        const std::vector<int>* group, int me) {
-    const Layout& layout = *call->layout;
-    const View<T>& out = call->out;
-    if (call->rule == Rule::kSum) {
-      layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
-        Add(a.At(t, begin), b.At(t, begin), out.At(t, begin), count);
-      });
-      return absl::OkStatus();
+  // Posts a halving level's exchange with its partner: `from`'s give half out,
+  // the partner's values for the kept half into `into`.
+  static Status Post(Call* call, const Half& half, const View<T>* from, const View<T>* into, int level,
+                     std::unique_ptr<Exchange>* posted) {
+    const int partner = half.partner;
+    return Post(call, partner, from, half.give_lo, half.give_hi, kTagHalving, into, half.keep_lo, half.keep_hi,
+                kTagHalving, [=] { return absl::StrCat("the exchange of level ", level, " with rank ", partner); },
+                posted);
+  }
+
+  // Waits for the exchange; `on_arrival(k)` (unless null) runs once for each
+  // receive message k as it completes.
+  static Status Finish(Call* call, Exchange* exchange, const std::function<void(int)>& on_arrival) {
+    std::vector<int> done;
+    bool pending = true;
+    for (int k : exchange->arrived) {
+      if (on_arrival) on_arrival(k);
     }
-    const int n = layout.num_tensors();
-    double* sums = call->partials + static_cast<size_t>(level) * n * 3;
-    layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
-      Dots(a.At(t, begin), b.At(t, begin), count, sums + 3 * t);
-    });
-    if (group != nullptr) TF_RETURN_IF_ERROR(SumOverGroup(call, sums, *group, me, level));
-    layout.ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
+    while (pending) {
+      done.clear();
+      TF_RETURN_IF_ERROR(call->waiter->TestSome(&exchange->requests, exchange->expected, exchange->start, true,
+                                                exchange->what, &done, &pending));
+      for (int i : done) {
+        if (exchange->message[i] >= 0 && on_arrival) on_arrival(exchange->message[i]);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Tests the exchange's requests once (MPI progresses only inside MPI
+  // calls), keeping the receive messages that completed for Finish.
+  static Status Progress(Call* call, Exchange* exchange) {
+    std::vector<int> done;
+    bool pending = false;
+    TF_RETURN_IF_ERROR(call->waiter->TestSome(&exchange->requests, exchange->expected, exchange->start, false,
+                                              exchange->what, &done, &pending));
+    for (int i : done) {
+      if (exchange->message[i] >= 0) exchange->arrived.push_back(exchange->message[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  // Sends `from`[give_lo, give_hi) to `peer` (unless `from` is null) while
+  // receiving its message into `into`[take_lo, take_hi) (unless null).
+  static Status Transfer(Call* call, int peer, const View<T>* from, int64_t give_lo, int64_t give_hi, int send_tag,
+                         const View<T>* into, int64_t take_lo, int64_t take_hi, int receive_tag,
+                         std::function<std::string()> what) {
+    std::unique_ptr<Exchange> exchange;
+    TF_RETURN_IF_ERROR(Post(call, peer, from, give_lo, give_hi, send_tag, into, take_lo, take_hi, receive_tag,
+                            std::move(what), &exchange));
+    return Finish(call, exchange.get(), nullptr);
+  }
+
+  // Waits for a halving level's exchange. Adasum: the partial sums of the
+  // kept half, message by message as each arrives (a.b, |a|^2, |b|^2 of each
+  // tensor's piece in the message, from zero), added into `sums` in message
+  // order once all have arrived: the order is fixed whatever the arrival.
+  static Status Receive(Call* call, Exchange* exchange, const View<T>& a, const View<T>& b, double* sums) {
+    if (call->rule == Rule::kSum) return Finish(call, exchange, nullptr);
+    struct PieceSums {
+      int t;
+      double s[3];
+    };
+    const Layout& layout = *call->layout;
+    const Messages& messages = exchange->receive;
+    std::vector<std::vector<PieceSums>> per_message(messages.size());
+    TF_RETURN_IF_ERROR(Finish(call, exchange, [&](int k) {
+      layout.ForEachPiece(messages.lo(k), messages.hi(k), [&](int t, int64_t begin, int64_t count) {
+        per_message[k].push_back({t, {0.0, 0.0, 0.0}});
+        Dots(a.At(t, begin), b.At(t, begin), count, per_message[k].back().s);
+      });
+    }));
+    for (const std::vector<PieceSums>& pieces : per_message) {
+      for (const PieceSums& piece : pieces) {
+        for (int i = 0; i < 3; ++i) sums[3 * piece.t + i] += piece.s[i];
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Per tensor [c_a, c_b] from its summed [a.b, |a|^2, |b|^2] (Adasum; empty for "sum").
+  static std::vector<double> Coefficients(Call* call, const double* sums) {
+    std::vector<double> coefficients;
+    if (call->rule == Rule::kSum) return coefficients;
+    for (int t = 0; t < call->layout->num_tensors(); ++t) {
       const double* s = sums + 3 * t;
-      const double c_a = s[1] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[1]);
-      const double c_b = s[2] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[2]);
-      ScaledSum(a.At(t, begin), b.At(t, begin), out.At(t, begin), count, c_a, c_b);
-    });
+      coefficients.push_back(s[1] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[1]));
+      coefficients.push_back(s[2] < kNormGuard ? 1.0 : 1.0 - s[0] / (2.0 * s[2]));
+    }
+    return coefficients;
+  }
+
+  // out = c_a * a + c_b * b on [lo, hi) (Adasum), or a + b ("sum"); between
+  // chunks, tests `progress`'s requests (unless null).
+  static Status Scale(Call* call, const View<T>& a, const View<T>& b, const std::vector<double>& coefficients,
+                      int64_t lo, int64_t hi, Exchange* progress) {
+    const View<T>& out = call->out;
+    for (int64_t chunk = lo; chunk < hi; chunk += kScaleChunk) {
+      call->layout->ForEachPiece(chunk, std::min(hi, chunk + kScaleChunk), [&](int t, int64_t begin, int64_t count) {
+        if (call->rule == Rule::kSum) {
+          Add(a.At(t, begin), b.At(t, begin), out.At(t, begin), count);
+        } else {
+          ScaledSum(a.At(t, begin), b.At(t, begin), out.At(t, begin), count, coefficients[2 * t],
+                    coefficients[2 * t + 1]);
+        }
+      });
+      if (progress != nullptr) TF_RETURN_IF_ERROR(Progress(call, progress));
+    }
     return absl::OkStatus();
   }
 

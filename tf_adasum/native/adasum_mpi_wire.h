@@ -174,14 +174,34 @@ class Waiter {
       const int code = MPI_Testall(static_cast<int>(requests->size()), requests->data(), &done, statuses.data());
       if (code != MPI_SUCCESS) return Abandon(requests, Failure(code, statuses, what()), collective);
       if (done) return CheckCounts(statuses, expected, what);
-      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-      if (timeout_seconds_ > 0 && waited > timeout_seconds_) return Expire(requests, what(), collective);
-      if (waited < kSpinSeconds) {
-        sched_yield();
-      } else {
-        const struct timespec pause = {0, kSleepNanoseconds};
-        nanosleep(&pause, nullptr);
+      TF_RETURN_IF_ERROR(Pause(requests, start, what, collective));
+    }
+  }
+
+  // Tests `requests` once (MPI_Testsome) and appends the indices of those
+  // that completed to `done` (a receive's size checked against its
+  // `expected`); `*pending`: whether any is left. With `block`, tests until
+  // one completes or none is pending, failing past the deadline counted from
+  // `start` (as Wait does). Point-to-point requests only.
+  Status TestSome(std::vector<MPI_Request>* requests, const std::vector<Expected>& expected,
+                  std::chrono::steady_clock::time_point start, bool block, const std::function<std::string()>& what,
+                  std::vector<int>* done, bool* pending) {
+    const int n = static_cast<int>(requests->size());
+    std::vector<int> indices(n);
+    std::vector<MPI_Status> statuses(n);  // zeroed: MPI_ERROR == MPI_SUCCESS until MPI sets it
+    for (;;) {
+      int completed = 0;
+      const int code = MPI_Testsome(n, requests->data(), &completed, indices.data(), statuses.data());
+      if (code != MPI_SUCCESS) return Abandon(requests, Failure(code, statuses, what()));
+      if (completed == MPI_UNDEFINED) completed = 0;  // nothing was pending
+      for (int i = 0; i < completed; ++i) {
+        Status size = CheckCount(statuses[i], expected[indices[i]], what);
+        if (!size.ok()) return Abandon(requests, size);
+        done->push_back(indices[i]);
       }
+      *pending = std::any_of(requests->begin(), requests->end(), [](MPI_Request r) { return r != MPI_REQUEST_NULL; });
+      if (completed > 0 || !*pending || !block) return absl::OkStatus();
+      TF_RETURN_IF_ERROR(Pause(requests, start, what, false));
     }
   }
 
@@ -204,6 +224,21 @@ class Waiter {
   static constexpr double kSpinSeconds = 200e-6;
   static constexpr long kSleepNanoseconds = 50000;
 
+  // Between two tests: past the deadline, gives the requests up; else
+  // yields the processor (the first kSpinSeconds of a wait) or sleeps.
+  Status Pause(std::vector<MPI_Request>* requests, std::chrono::steady_clock::time_point start,
+               const std::function<std::string()>& what, bool collective) {
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timeout_seconds_ > 0 && waited > timeout_seconds_) return Expire(requests, what(), collective);
+    if (waited < kSpinSeconds) {
+      sched_yield();
+    } else {
+      const struct timespec pause = {0, kSleepNanoseconds};
+      nanosleep(&pause, nullptr);
+    }
+    return absl::OkStatus();
+  }
+
   static Status Failure(int code, const std::vector<MPI_Status>& statuses, const std::string& what) {
     if (code == MPI_ERR_IN_STATUS) {  // the first request's own error
       for (const MPI_Status& status : statuses) {
@@ -220,18 +255,26 @@ class Waiter {
                      const std::function<std::string()>& what) {
     if (expected == nullptr) return absl::OkStatus();
     for (size_t i = 0; i < expected->size() && i < statuses.size(); ++i) {
-      const Expected& want = (*expected)[i];
-      if (want.type == MPI_DATATYPE_NULL) continue;
-      int count = MPI_UNDEFINED;
-      MPI_Get_count(&statuses[i], want.type, &count);
-      if (count == want.count) continue;
-      std::vector<MPI_Request> none;
-      return Abandon(&none, absl::InvalidArgumentError(absl::StrCat(
-                                "tf_adasum MPI engine: ", what(), " received a message of ",
-                                count == MPI_UNDEFINED ? std::string("another size") : absl::StrCat(count, " items"),
-                                " where ", want.count, " were expected (the ranks run different programs).")));
+      Status size = CheckCount(statuses[i], (*expected)[i], what);
+      if (!size.ok()) {
+        std::vector<MPI_Request> none;  // all completed
+        return Abandon(&none, size);
+      }
     }
     return absl::OkStatus();
+  }
+
+  // A completed request's size against what it must have received (the
+  // error, not yet abandoned).
+  static Status CheckCount(MPI_Status& status, const Expected& want, const std::function<std::string()>& what) {
+    if (want.type == MPI_DATATYPE_NULL) return absl::OkStatus();
+    int count = MPI_UNDEFINED;
+    MPI_Get_count(&status, want.type, &count);
+    if (count == want.count) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tf_adasum MPI engine: ", what(), " received a message of ",
+        count == MPI_UNDEFINED ? std::string("another size") : absl::StrCat(count, " items"), " where ", want.count,
+        " were expected (the ranks run different programs)."));
   }
 
   Status Expire(std::vector<MPI_Request>* requests, const std::string& what, bool collective) {
@@ -311,12 +354,13 @@ class Messages {
   template <typename T>
   Status Describe(const View<T>& view, int64_t lo, int64_t hi) {
     std::vector<std::pair<char*, int64_t>> run;  // (address, bytes) of small pieces
-    int64_t run_bytes = 0;
+    int64_t run_bytes = 0, run_lo = lo, run_hi = lo;  // its size and logical range
     Status status;
     auto end_run = [&] {  // the run so far becomes a message
-      if (status.ok()) status = Flush(&run);
+      if (status.ok()) status = Flush(&run, run_lo, run_hi);
       run.clear();
       run_bytes = 0;
+      run_lo = run_hi;
     };
     view.layout->ForEachPiece(lo, hi, [&](int t, int64_t begin, int64_t count) {
       char* address = reinterpret_cast<char*>(view.At(t, begin));
@@ -329,18 +373,28 @@ class Messages {
           run.emplace_back(address, bytes);
         }
         run_bytes += bytes;
+        run_hi = begin + count;
         return;
       }
       end_run();
-      for (int64_t done = 0; done < bytes; done += kMaxMessageBytes) {
-        parts_.push_back({address + done, static_cast<int>(std::min(kMaxMessageBytes, bytes - done)), MPI_BYTE});
+      const int64_t per_message = kMaxMessageBytes / static_cast<int64_t>(sizeof(T));
+      for (int64_t done = 0; done < count; done += per_message) {
+        const int64_t items = std::min(per_message, count - done);
+        parts_.push_back({address + done * static_cast<int64_t>(sizeof(T)),
+                          static_cast<int>(items * static_cast<int64_t>(sizeof(T))), MPI_BYTE, begin + done,
+                          begin + done + items});
       }
+      run_lo = run_hi = begin + count;
     });
     end_run();
     return status;
   }
 
   size_t size() const { return parts_.size(); }
+
+  // The range [lo, hi) of the fused vector (logical indices) that message k carries.
+  int64_t lo(size_t k) const { return parts_[k].lo; }
+  int64_t hi(size_t k) const { return parts_[k].hi; }
 
   // Posts the request of message k (a receive if !send) and appends it, with
   // what it must receive, to `requests` and `expected`.
@@ -366,13 +420,14 @@ class Messages {
     void* buffer;
     int count;
     MPI_Datatype type;
+    int64_t lo, hi;  // the logical range carried
   };
 
-  // One message for a run of small pieces.
-  Status Flush(std::vector<std::pair<char*, int64_t>>* run) {
+  // One message for a run of small pieces (the logical range [lo, hi)).
+  Status Flush(std::vector<std::pair<char*, int64_t>>* run, int64_t lo, int64_t hi) {
     if (run->empty()) return absl::OkStatus();
     if (run->size() == 1 && run->front().second <= INT_MAX) {
-      parts_.push_back({run->front().first, static_cast<int>(run->front().second), MPI_BYTE});
+      parts_.push_back({run->front().first, static_cast<int>(run->front().second), MPI_BYTE, lo, hi});
       run->clear();
       return absl::OkStatus();
     }
@@ -390,7 +445,7 @@ class Messages {
                                      MPI_BYTE, &type));
     types_.push_back(type);
     TFA_MPI(MPI_Type_commit(&types_.back()));
-    parts_.push_back({MPI_BOTTOM, 1, types_.back()});
+    parts_.push_back({MPI_BOTTOM, 1, types_.back(), lo, hi});
     return absl::OkStatus();
   }
 
