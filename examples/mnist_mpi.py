@@ -80,7 +80,14 @@ def main(argv=None):
                 print(f"epoch {epoch + 1}: test accuracy {test_accuracy[-1]:.4f}, {epoch_times[-1]:.1f} s", flush=True)
 
     callbacks = [adasum_mpi.MetricAverageCallback(), EpochEnd()]
-    model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+    model.fit(
+        train,
+        epochs=args.epochs,
+        steps_per_epoch=steps_per_epoch,
+        shuffle=False,  # the shard is shuffled already (training_stream)
+        verbose=0,
+        callbacks=callbacks,
+    )
     summary = {
         "example": "mnist_mpi",
         "ranks": size,

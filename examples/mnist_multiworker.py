@@ -105,7 +105,14 @@ def main(argv=None):
                 print(f"epoch {epoch + 1}: test accuracy {test_accuracy[-1]:.4f}, {epoch_times[-1]:.1f} s", flush=True)
 
     callbacks = [EpochEnd()] if args.backup is None else [tf_adasum.BackupAndRestore(args.backup), EpochEnd()]
-    model.fit(train, epochs=args.epochs, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks)
+    model.fit(
+        train,
+        epochs=args.epochs,
+        steps_per_epoch=steps_per_epoch,
+        shuffle=False,  # each shard is shuffled already (training_stream)
+        verbose=0,
+        callbacks=callbacks,
+    )
     workers.barrier()  # no worker leaves while another still trains
     summary = {
         "example": "mnist_multiworker",

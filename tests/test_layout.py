@@ -72,6 +72,7 @@ STANDALONE = {
     "launcher.elastic",
     "launcher.helper",
     "launcher.mpirun",
+    "launcher.startup_log",
     "launcher.tf_config",
 }
 PACKAGE_INITS = {"", "comm", "engines", "eval", "launcher", "native", "resume", "step", "tree"}

@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import tempfile
+
+from tf_adasum.launcher.startup_log import is_startup_noise  # what the quiet start hides
 
 __all__ = ["QUIET_ENVIRONMENT", "import_tensorflow", "is_startup_noise", "stderr_filtered"]
 
 #: What a quiet command sets in its environment (and its worker processes'), unless already set.
 QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2"}
-
-# An absl INFO or WARNING record ("I0000 00:00:1796061958.373276    5299 port.cc:153] ..."),
-# what TF_CPP_MIN_LOG_LEVEL=2 hides once it applies; ERROR and FATAL records are kept.
-_ABSL_INFO_OR_WARNING = re.compile(rb"^[IW]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w.\-]+:\d+\] ")
-_STARTUP_LINES = (
-    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-    b"To enable the following instructions:",  # the second line of cpu_feature_guard's record
-)
-
-
-def is_startup_noise(line: bytes) -> bool:
-    """Whether `line` is one of TensorFlow's INFO/WARNING start-up log lines."""
-    return bool(_ABSL_INFO_OR_WARNING.match(line)) or line.startswith(_STARTUP_LINES)
 
 
 @contextlib.contextmanager
