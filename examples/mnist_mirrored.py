@@ -29,6 +29,9 @@ def parse_args(argv=None):
     parser.add_argument("--every-n-steps", type=int, default=100, help="diagnostics interval")
     parser.add_argument("--out", default="results/mnist_mirrored", help="folder for diagnostics")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--train-examples", type=int, default=None, help="train on the first N training images only (a quick try)"
+    )
     return parser.parse_args(argv)
 
 
@@ -46,6 +49,7 @@ def main(argv=None):
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_mnist()
+    x_train, y_train = x_train[: args.train_examples], y_train[: args.train_examples]
     x_test = as_float_images(x_test)
     global_batch = args.batch_per_replica * args.replicas
     train, steps_per_epoch = training_stream(x_train, y_train, global_batch, args.seed)

@@ -39,6 +39,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--train-examples", type=int, default=None, help="train on the first N training images only (a quick try)"
+    )
+    parser.add_argument(
         "--backup",
         default=None,
         help="a folder every worker sees: back up at each epoch's end, and resume from it after a restart "
@@ -65,6 +68,7 @@ def main(argv=None):
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_mnist()
+    x_train, y_train = x_train[: args.train_examples], y_train[: args.train_examples]
     global_batch = args.batch_per_replica * strategy.num_replicas_in_sync
     steps_per_epoch = -(-len(x_train) // global_batch)  # the same on every worker
     # The single-worker learning rate, no scaling with the number of workers (Adasum adapts).
