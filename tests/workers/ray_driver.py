@@ -2,7 +2,10 @@
 one-machine Ray started here (on loopback), each worker a
 MultiWorkerMirroredStrategy worker with the TF_CONFIG Ray gives it.
 
-    python ray_driver.py SCENARIO OUTDIR
+    python ray_driver.py SCENARIO[,SCENARIO...] OUTDIR
+
+The scenarios run in turn on the one Ray (started once), each in
+``OUTDIR/SCENARIO``:
 
 * ``train``: the ``collective`` and ``train`` tasks of distributed_worker.py
   (the test compares them with `tf_adasum.reference`);
@@ -11,15 +14,18 @@ MultiWorkerMirroredStrategy worker with the TF_CONFIG Ray gives it.
   the middle of epoch 2; `FailureConfig(max_failures=1)` restarts both
   workers, which resume from the backup of epoch 1
   (``attempt{A}_rank{R}.json``, ``reference_rank{R}.npz``, ``final_rank{R}.npz``);
-* ``fail``: the same with no restart allowed (``max_failures=0``): the run
-  must fail, naming the dead worker.
+* ``fail``: the same run with `tf_adasum.BackupAndRestore` (no uninterrupted
+  run first: nothing compares with it) and no restart allowed
+  (``max_failures=0``): the run must fail, naming the dead worker.
 
-Prints one JSON line: the run's error, if any.
+Prints one JSON line per scenario: its name, its run's error, if any, and
+the seconds its run took.
 """
 
 import json
 import os
 import sys
+import time
 
 # Ray keeps a one-machine cluster on 127.0.0.1 with this (its default gives the
 # node, and so TF_CONFIG, the machine's outward address); set before Ray starts.
@@ -50,7 +56,7 @@ def restart_loop(config):
     marker = os.path.join(out, f"started_rank{job.rank}")
     first = not os.path.exists(marker)
     open(marker, "w").close()
-    if first:
+    if first and config["reference"]:
         backup_worker.run_reference(job, out)
     folder = os.path.join(out, "backup")
     restoring = backup.BackupAndRestore(folder)
@@ -63,29 +69,40 @@ def restart_loop(config):
     backup_worker.save_state(model, os.path.join(out, f"final_rank{job.rank}.npz"))
 
 
-def main():
-    scenario, out = sys.argv[1], os.path.abspath(sys.argv[2])
-    import ray
+def run(scenario, out):
+    """One scenario's `TensorflowTrainer` on the running Ray: its run's error (None: none)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
 
+    os.makedirs(out, exist_ok=True)
+    trainer = TensorflowTrainer(
+        {"train": train_loop, "restart": restart_loop, "fail": restart_loop}[scenario],
+        train_loop_config={"out": out, "reference": scenario == "restart"},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(
+            name=scenario,
+            storage_path=os.path.join(out, "ray_storage"),
+            failure_config=FailureConfig(max_failures=1 if scenario == "restart" else 0),
+        ),
+    )
+    try:
+        error = trainer.fit().error
+    except Exception as raised:  # noqa: BLE001 - Ray Train raises TrainingFailedError: reported to the test
+        error = f"{type(raised).__name__}: {raised}"
+    return None if error is None else str(error)
+
+
+def main():
+    scenarios, out = sys.argv[1].split(","), os.path.abspath(sys.argv[2])
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        trainer = TensorflowTrainer(
-            {"train": train_loop, "restart": restart_loop, "fail": restart_loop}[scenario],
-            train_loop_config={"out": out},
-            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(
-                name=scenario,
-                storage_path=os.path.join(out, "ray_storage"),
-                failure_config=FailureConfig(max_failures=1 if scenario == "restart" else 0),
-            ),
-        )
-        try:
-            error = trainer.fit().error
-        except Exception as raised:  # noqa: BLE001 - Ray Train raises TrainingFailedError: reported to the test
-            error = f"{type(raised).__name__}: {raised}"
-        print(json.dumps({"error": None if error is None else str(error)}), flush=True)
+        for scenario in scenarios:
+            start = time.monotonic()
+            error = run(scenario, os.path.join(out, scenario))
+            report = {"scenario": scenario, "error": error, "seconds": time.monotonic() - start}
+            print(json.dumps(report), flush=True)
     finally:
         ray.shutdown()
 
