@@ -67,6 +67,9 @@ Adasum more than for the native all-reduce (on 2026-12-03, workers, N = 4,
 80-120 after; the native 81-151, then 61-97), and a training run, thousands of
 steps long, lives in the steady state after them.
 
+``--table FILE`` prints the Markdown table of the records in FILE (the
+benchmarks guide's tables are that output; tests/test_provenance.py checks).
+
 Usage: python benchmarks/collective.py [--engine local workers mpi] [--replicas 2 4]
        [--sizes 4096 ...] [--dtype float32] [--process-repeats 20] [--process-warmup 20]
        [--compression float16] [--cpu-allocator bfc] [--link 1gbit]
@@ -92,8 +95,31 @@ ROLES = ("workers-worker", "mpi-rank")  # what the spawned processes run
 _PROVENANCE: dict = {}
 
 
+#: The columns of `table`: (heading, how a record gives its cell).
+TABLE_COLUMNS = (
+    ("engine", lambda r: r["engine"]),
+    ("N", lambda r: str(r["replicas"])),
+    ("buffer", lambda r: f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"),
+    ("adasum_ms", lambda r: f"{r['adasum_ms']:.3g}"),
+    ("native_ms", lambda r: f"{r['native_ms']:.3g}"),
+    ("ratio", lambda r: f"{r['ratio']:.2f}"),
+    ("rvh_sum_ms", lambda r: f"{r['rvh_sum_ms']:.3g}"),
+    ("dots_ms", lambda r: f"{r['dots_ms']:.3g}"),
+    ("ratio_to_floor", lambda r: f"{r['ratio_to_floor']:.2f}"),
+)
+
+
+def table(records: list[dict]) -> str:
+    """The Markdown table of loopback records, one row per record in order,
+    as the benchmarks guide shows it (``--table FILE`` prints it)."""
+    lines = ["| " + " | ".join(h for h, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in TABLE_COLUMNS) + " |" for r in records]
+    return "\n".join(lines) + "\n"
+
+
 def _parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", metavar="FILE", help="print the Markdown table of the records in FILE, and exit")
     parser.add_argument("--engine", nargs="+", default=list(ENGINES), choices=list(ENGINES) + list(ROLES))
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4], help="replica (process) counts")
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="buffer sizes in bytes")
@@ -139,6 +165,10 @@ def _wait(out):
 
 def main(argv=None):
     args = _parse_args(argv)
+    if args.table:
+        with open(args.table, encoding="utf-8") as f:
+            print(table([json.loads(line) for line in f if line.strip()]), end="")
+        return
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = str(args.cpu_allocator == "bfc").lower()  # read when TF starts
     global tf
     import tensorflow as tf

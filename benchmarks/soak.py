@@ -26,7 +26,8 @@ and a ``summary`` line: growth of threads and RSS per 1000 combines over the
 whole run and over its second half (where one-off warm-up growth is over),
 and a checksum of the last combine (equal on every process, as the combine is
 bitwise identical everywhere). The parent prints every process's lines, then
-one ``soak_summary`` line per configuration (the worst process).
+one ``soak_summary`` line per configuration (the worst process), with the
+run's ``date``, ``commit``, ``processor`` and ``command``.
 
 Usage: python benchmarks/soak.py [--engine workers mpi] [--processes 2 4]
        [--combines 2000] [--tensors 6] [--seed 0]
@@ -257,13 +258,16 @@ def main(argv=None) -> None:
         return _workers_worker(args)
     if args.engine == ["mpi-rank"]:
         return _mpi_rank(args)
+    from tf_adasum.eval import provenance
+
+    origin = provenance.fields(provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
     summaries = []
     for engine in ENGINES:
         if engine in args.engine:
             for n in args.processes:
                 summaries.append(_summarise(engine, n, _spawn(engine, n, args)))
     for summary in summaries:
-        print(json.dumps(summary), flush=True)
+        print(json.dumps({**summary, **origin}), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer. Received: {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
@@ -39,7 +45,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--train-examples", type=int, default=None, help="train on the first N training images only (a quick try)"
+        "--train-examples", type=_positive, default=None, help="train on the first N training images only (a quick try)"
     )
     parser.add_argument(
         "--backup",

@@ -1,7 +1,7 @@
 """The README's quickstart is what the examples print: each command of its
 ``sh`` blocks runs (on a few hundred MNIST images, `--train-examples`, so
-it takes seconds), and its output, but for TensorFlow's start-up log lines
-(`tf_adasum.launcher.startup_log`, which some processors print), is line for
+it takes seconds), and its output, but for the notices every TensorFlow
+import writes on some processors (`tf_adasum.launcher.startup_log`), is line for
 line the ``text`` block the README shows after it: words the same, numbers
 free (accuracies, times, ports), a JSON line's shown fields equal and its
 ``...`` the fields left out."""
@@ -15,7 +15,7 @@ import sys
 import pytest
 from multiprocess import worker_env
 
-from tf_adasum.launcher.startup_log import is_startup_noise
+from tf_adasum.launcher.startup_log import is_startup_notice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: A number where the README shows one, with its time unit if any (Keras writes 126ms/step or 6s/step).
@@ -76,7 +76,7 @@ def test_an_example_prints_what_the_quickstart_shows(example, tmp_path):
     )
     output = result.stdout  # and stderr, in the order a terminal shows them
     assert result.returncode == 0, output[-4000:]
-    printed = [line for line in output.splitlines() if line and not is_startup_noise(line.encode())]
+    printed = [line for line in output.splitlines() if line and not is_startup_notice(line.encode())]
     assert len(printed) == len(shown) and all(map(_matches, shown, printed)), (
         "the README shows:\n" + "\n".join(shown) + "\n\nthe example printed:\n" + "\n".join(printed)
     )

@@ -2,6 +2,7 @@
 against `tf_adasum.reference`, numpy and the Python path of the MPI engine;
 and, in this process, their fallback and argument checks."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -99,6 +100,14 @@ def _check_tree(out, k: int) -> None:
                 assert np.any(native) == computes, (k, dtype, rule, r)
     for i in range(len(worker.SHAPES)):
         assert results[0][f"graph_{i}"].tobytes() == results[0][f"float32_adasum_{i}"].tobytes(), i
+    # Pipelined levels (messages summed in their order, whatever the arrival): the same bits every call,
+    # in place or not, on every rank.
+    big = reference.adasum_tree([worker.big_inputs(r) for r in range(k)])
+    for i, want in enumerate(big):
+        got = results[0][f"big_first_{i}"]
+        assert relative_error(got, want) < TOLERANCE["float32"], (k, i, relative_error(got, want))
+        for r, name in itertools.product(range(k), ("first", "again", "graph")):
+            assert results[r][f"big_{name}_{i}"].tobytes() == got.tobytes(), (k, i, r, name)
 
 
 def _check_collectives(out, k: int) -> None:

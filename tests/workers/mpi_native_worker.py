@@ -7,7 +7,8 @@ COMM_WORLD, split off, or ``1`` for COMM_SELF on every rank), every member
 writes ``OUTDIR/tree_k{k}_rank{R}.npz``: the native tree op's results and
 partials for every dtype and rule, those of the Python path
 (`tf_adasum.tree.rvh` over `tf_adasum.comm.mpi_communicator.MPICommunicator`) on the same
-inputs, and the native sum and gather ops' results. With ``--deadline``,
+inputs, the tree's results on large float32 tensors (`BIG_SHAPES`: twice, and
+once in place), and the native sum and gather ops' results. With ``--deadline``,
 rank 1 of a two-rank communicator skips a call that rank 0 makes (twice), and
 rank 0 writes ``OUTDIR/deadline.json``. The test compares everything with
 `tf_adasum.reference` and numpy, so the oracle lives in the test.
@@ -28,6 +29,9 @@ import tensorflow as tf  # noqa: E402
 #: message (256 KiB) of the native op in float64 at the first level, and then
 #: 30000-element ones, each under a message, so that runs of them fill several.
 SHAPES = [(1,), (3,), (127,), (128,), (129,), (1000,), (70000,), (0,), (7, 13), (5,)] + [(30000,)] * 4
+#: Float32 tensors of the pipelined calls: 4 MiB, 8 or more messages a level, so that
+#: messages arrive while the tree still scales the level before.
+BIG_SHAPES = [(1 << 20,), (1000,)]
 ZERO_ON_EVEN_RANKS = 3  # Adasum(0, b) == b: the norm guard
 SAME_ON_ALL_RANKS = 9  # Adasum(a, a) == a
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -50,6 +54,12 @@ def tree_inputs(rank: int) -> list[np.ndarray]:
         else:
             values.append(common if i == SAME_ON_ALL_RANKS else 0.8 * common + 0.6 * mine)
     return values
+
+
+def big_inputs(rank: int) -> list[np.ndarray]:
+    """Rank `rank`'s BIG_SHAPES tensors (float32), a shared component plus its own."""
+    shared, own = np.random.default_rng(17), np.random.default_rng(300 + rank)
+    return [(0.8 * shared.standard_normal(s) + 0.6 * own.standard_normal(s)).astype(np.float32) for s in BIG_SHAPES]
 
 
 def sum_input(rank: int, dtype: str, shape) -> np.ndarray:
@@ -111,6 +121,12 @@ def run(comm, k: int, out: str, world) -> None:
             assert partials.shape == [rvh.num_levels(k), len(SHAPES), 3], partials.shape
             for i, x in enumerate(combined):
                 results[f"graph_{i}"] = _numpy(x)
+    # Large tensors, twice out of place and once in place: bitwise the same each time.
+    big = [tf.constant(x) for x in big_inputs(rank)]
+    for name, call in (("first", mpi_native.tree), ("again", mpi_native.tree), ("graph", graph_tree)):
+        combined = call(big, comm, "adasum", TIMEOUT_SECONDS)[0] if name != "graph" else call(big)[0]
+        for i, x in enumerate(combined):
+            results[f"big_{name}_{i}"] = x.numpy()
     for j, (dtype, shape) in enumerate(SUM_CASES):
         results[f"sum_{j}"] = mpi_native.allreduce_sum(sum_input(rank, dtype, shape), comm, TIMEOUT_SECONDS).numpy()
     for dtype in GATHER_DTYPES:

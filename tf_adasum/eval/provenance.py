@@ -6,12 +6,12 @@ documentation can be traced to the code and the machine that produced it:
 
 * ``date``: UTC, ISO 8601 to the second (``2026-12-07T01:02:03+00:00``);
 * ``commit``: the checkout's short hash, with ``-dirty`` when the code (the
-  package, the benchmarks, ``setup.py``) differs from it; records and pages,
-  which a run into ``docs/`` writes itself, do not count; ``""`` outside a git
-  checkout;
+  package, the benchmarks, ``setup.py``) differs from it or has new files;
+  records and pages, which a run into ``docs/`` writes itself, do not count;
+  ``""`` outside a git checkout of this project;
 * ``processor``: the model name from ``/proc/cpuinfo`` and the widest x86
   vector extension it offers (``AVX-512``, ``AVX2`` or ``no AVX2``), which is
-  what the dot products' speed depends on;
+  what the dot products' speed depends on (elsewhere, the architecture);
 * ``command``: the command line, as a user would type it from the
   repository's root.
 
@@ -43,21 +43,26 @@ CODE_PATHS = ("tf_adasum", "benchmarks", "setup.py")
 
 
 def commit() -> str:
-    """The checkout's short commit hash, ``-dirty`` with uncommitted changes to
-    the code (`CODE_PATHS`), or ``""`` where the package is not in a git checkout.
+    """The checkout's short commit hash, ``-dirty`` with uncommitted changes or
+    new files in the code (`CODE_PATHS`), or ``""`` where the package is not in
+    a git checkout of this project.
 
     Examples:
         >>> isinstance(commit(), str)
         True
     """
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
+
     try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", *CODE_PATHS], capture_output=True)
+        top, head = git("rev-parse", "--show-toplevel"), git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--", *CODE_PATHS)  # new files count too
     except OSError:  # no git
         return ""
-    if head.returncode != 0:
-        return ""
-    return head.stdout.strip() + ("-dirty" if dirty.returncode == 1 else "")
+    if head.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(ROOT):
+        return ""  # not a checkout of this project (e.g. installed inside another repository)
+    return head.stdout.strip() + ("-dirty" if changed.stdout.strip() else "")
 
 
 def vector_extension(flags: set[str]) -> str:
@@ -95,8 +100,11 @@ def processor() -> str:
                 if name and flags:
                     break
     except OSError:
-        return platform.processor() or "unknown processor"
-    return f"{name or platform.processor() or 'unknown processor'}, {vector_extension(flags)}"
+        pass
+    name = name or platform.processor() or "unknown processor"
+    if not flags:  # not x86 (or no /proc/cpuinfo): the architecture instead
+        return f"{name}, {platform.machine() or 'unknown architecture'}"
+    return f"{name}, {vector_extension(flags)}"
 
 
 def command_line(argv: list[str] | None = None) -> str:

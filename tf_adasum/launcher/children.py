@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from . import helper  # the package beside it, whether tf_adasum.launcher or, run by path, launcher
-from .startup_log import is_startup_noise
+from .startup_log import is_startup_notice
 
 #: Seconds a stopped worker gets between SIGTERM and SIGKILL.
 GRACE_SECONDS = 5.0
@@ -115,7 +115,7 @@ def _forward(
     stream, prefix: str, lock: threading.Lock, failure_line: str | None, failed: threading.Event, quiet: bool
 ) -> None:
     for line in iter(stream.readline, b""):
-        if quiet and is_startup_noise(line):
+        if quiet and is_startup_notice(line):
             continue
         text = line.decode(errors="replace")
         if failure_line is not None and failure_line in text:
@@ -147,9 +147,10 @@ def stop(processes: Sequence[subprocess.Popen]) -> None:
 
 def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable[[], bool] | None = None) -> int:
     """Runs every child under its supervisor, each output line prefixed,
-    until one fails or all exit 0; then stops the rest (`stop`). TensorFlow's
-    start-up log lines (`startup_log`) are dropped unless the child's
-    ``TF_CPP_MIN_LOG_LEVEL`` is ``0``.
+    until one fails or all exit 0; then stops the rest (`stop`). The notices
+    every TensorFlow import writes (`startup_log.is_startup_notice`: the absl
+    preamble, the CPU-feature and oneDNN notices) are dropped unless the
+    child's ``TF_CPP_MIN_LOG_LEVEL`` is ``0``; every other line is kept.
 
     `release`: descriptors to close once every child holds its namespaces (at
     the latest when this returns). `resize`: asked every `POLL_SECONDS` while
@@ -181,7 +182,7 @@ def run(children: Sequence[Child], release: Sequence[int] = (), resize: Callable
             )
             processes.append(process)
             said_failed.append(threading.Event())
-            quiet = child.env.get("TF_CPP_MIN_LOG_LEVEL") != "0"  # "0" asks for TensorFlow's INFO lines
+            quiet = child.env.get("TF_CPP_MIN_LOG_LEVEL") != "0"  # "0": TensorFlow's INFO lines asked for
             forwarded = (process.stdout, child.prefix, lock, child.failure_line, said_failed[-1], quiet)
             thread = threading.Thread(target=_forward, args=forwarded, daemon=True)
             thread.start()

@@ -31,17 +31,22 @@
 // order: a tensor's sum over a slice is the in-order sum of its 256 KiB
 // pieces' sums. Once the coefficients are known, the half the next level
 // sends is scaled first, the next level's exchange posted, and the half it
-// keeps scaled while those messages move (testing them between 256 KiB
-// chunks). The fold is not pipelined (whole tensors, one Dots per tensor).
+// keeps scaled while those messages move (testing them between chunks of a
+// message's size). The fold is not pipelined (whole tensors, one Dots per
+// tensor).
 //
 // Inputs are read in place and results written straight into the outputs
 // (which take over the inputs' buffers when nothing else holds them; then, or
 // after the first level, the partner's values arrive in a scratch buffer of
-// the fused vector's size, two regions of half each); small
+// two regions, one for the even levels and one for the odd: at most 3/4 of
+// the fused vector, the fold's whole vector where a folded rank's outputs
+// are its inputs); small
 // tensors' pieces share MPI messages (an hindexed datatype), large ones go
 // as messages of their own, none over 256 KiB (kMaxMessageBytes). Every wait
-// polls against `timeout_seconds` and fails with DEADLINE_EXCEEDED naming the
-// call and the peer.
+// polls against `timeout_seconds`, counted from the posting of the exchange it
+// waits for (so a level's count includes this rank's arithmetic between the
+// posting and the wait), and fails with DEADLINE_EXCEEDED naming the call and
+// the peer.
 //
 // Included inside adasum_mpi_ops.cc's anonymous namespace, after
 // adasum_mpi_wire.h, adasum_kernels.h and the message tags (kTag*).
@@ -84,46 +89,56 @@ class Tree {
     const int rank = call->comm.rank;
     const int folded = call->folded;
     const int64_t total = call->layout->total();
+    const bool in_fold = rank < 2 * folded;
+    if (in_fold && rank % 2) {  // sends its tensors to rank - 1, then receives the result
+      TF_RETURN_IF_ERROR(Transfer(call, rank - 1, &call->in, 0, total, kTagFold, nullptr, 0, 0, 0, [=] {
+        return absl::StrCat("the fold send to rank ", rank - 1);
+      }));
+      return Transfer(call, rank - 1, nullptr, 0, 0, 0, &call->out, 0, total, kTagFoldBack, [=] {
+        return absl::StrCat("the fold receive of the result from rank ", rank - 1);
+      });
+    }
+    const int virtual_rank = in_fold ? rank / 2 : rank - folded;
+    std::vector<Half> halves;  // the levels of vector halving
+    for (int bit = 1; bit < call->leaves; bit <<= 1) halves.push_back(Halve(virtual_rank, bit, folded, total, halves));
+
     // Where the partner's values arrive: straight into the outputs while they
-    // hold nothing yet (and are not the inputs), else into scratch memory of
-    // two regions of half the vector each, allocated at its first use: a
-    // level's values arrive in one region while the level before still reads
-    // the other (the fold takes both).
+    // hold nothing yet (and are not the inputs), else into scratch memory,
+    // allocated at its first use, of two regions: level k's values arrive in
+    // region k % 2 while level k - 1 still reads the other; the fold takes both.
     bool outputs_free = !call->in_place;
-    const int64_t region = (total + 1) / 2;
+    int64_t region[2] = {0, 0};  // elements
+    for (size_t k = 0; k < halves.size(); ++k) {
+      if (k > 0 || in_fold || !outputs_free) {
+        region[k % 2] = std::max(region[k % 2], halves[k].keep_hi - halves[k].keep_lo);
+      }
+    }
+    if (in_fold && !outputs_free) region[0] = std::max(region[0], total - region[1]);
     T* scratch = nullptr;
-    auto arrival = [&](int64_t lo, int64_t hi, int which, View<T>* into) -> Status {
+    auto arrival = [&](int64_t lo, int64_t hi, int which, View<T>* into) -> Status {  // which: 0, 1, or -1 (both)
       if (outputs_free) {
         *into = call->out;
         return absl::OkStatus();
       }
       if (scratch == nullptr) {
         Tensor tensor;
-        TF_RETURN_IF_ERROR(
-            context->allocate_temp(DataTypeToEnum<T>::value, TensorShape({std::max<int64_t>(2 * region, 1)}), &tensor));
+        const int64_t size = std::max<int64_t>(region[0] + region[1], 1);
+        TF_RETURN_IF_ERROR(context->allocate_temp(DataTypeToEnum<T>::value, TensorShape({size}), &tensor));
         AdviseHugePages(tensor.flat<T>().data(), tensor.TotalBytes());
         buffers->push_back(tensor);
         scratch = tensor.flat<T>().data();
       }
-      if (hi - lo > (2 - which) * region) return absl::InternalError("tf_adasum MPI engine: scratch too small");
-      *into = View<T>{call->layout, {}, scratch + which * region, lo};
+      const int64_t offset = which == 1 ? region[0] : 0;
+      const int64_t capacity = which < 0 ? region[0] + region[1] : region[which];
+      if (hi - lo > capacity) return absl::InternalError("tf_adasum MPI engine: scratch too small");
+      *into = View<T>{call->layout, {}, scratch + offset, lo};
       return absl::OkStatus();
     };
 
-    int virtual_rank;
     const View<T>* mine = &call->in;  // this rank's current values
-    if (rank < 2 * folded) {
-      if (rank % 2) {  // sends its tensors to rank - 1, then receives the result
-        TF_RETURN_IF_ERROR(Transfer(call, rank - 1, &call->in, 0, total, kTagFold, nullptr, 0, 0, 0, [=] {
-          return absl::StrCat("the fold send to rank ", rank - 1);
-        }));
-        return Transfer(call, rank - 1, nullptr, 0, 0, 0, &call->out, 0, total, kTagFoldBack, [=] {
-          return absl::StrCat("the fold receive of the result from rank ", rank - 1);
-        });
-      }
-      // Fold: a = this rank's, b = rank + 1's (whole tensors, not pipelined).
+    if (in_fold) {  // a = this rank's, b = rank + 1's (whole tensors, not pipelined)
       View<T> theirs;
-      TF_RETURN_IF_ERROR(arrival(0, total, 0, &theirs));
+      TF_RETURN_IF_ERROR(arrival(0, total, -1, &theirs));
       TF_RETURN_IF_ERROR(Transfer(call, rank + 1, nullptr, 0, 0, 0, &theirs, 0, total, kTagFold, [=] {
         return absl::StrCat("the fold receive from rank ", rank + 1);
       }));
@@ -134,18 +149,13 @@ class Tree {
         });
       }
       TF_RETURN_IF_ERROR(Scale(call, call->in, theirs, Coefficients(call, sums), 0, total, nullptr));
-      virtual_rank = rank / 2;
       mine = &call->out;
       outputs_free = false;
-    } else {
-      virtual_rank = rank - folded;
     }
     int level = folded ? 1 : 0;
 
     // Phase 1: reduce-scatter by vector halving. A level's exchange is posted
     // by the level before as soon as the values it sends are final (see Half).
-    std::vector<Half> halves;
-    for (int bit = 1; bit < call->leaves; bit <<= 1) halves.push_back(Halve(virtual_rank, bit, folded, total, halves));
     std::unique_ptr<Exchange> exchange;
     for (size_t k = 0; k < halves.size(); ++k, ++level) {
       const Half& half = halves[k];
@@ -220,8 +230,8 @@ class Tree {
  private:
   using Clock = std::chrono::steady_clock;
 
-  // Elements scaled between two tests of the next level's requests (256 KiB of float32).
-  static constexpr int64_t kScaleChunk = int64_t{1} << 16;
+  // Elements scaled between two tests of the next level's requests: a message's worth.
+  static constexpr int64_t kScaleChunk = kMaxMessageBytes / static_cast<int64_t>(sizeof(T));
 
   // One level of vector halving, as this rank sees it.
   struct Half {
