@@ -29,6 +29,26 @@ def relative_error(actual, expected) -> float:
     return float(diff / norm) if norm > 0 else float(diff)
 
 
+@pytest.fixture(scope="session")
+def two_processes(tmp_path_factory):
+    """``two_processes(launcher)``: the folder of the one launch of 2 processes
+    that runs `multiprocess.SHARED_LAUNCHES[launcher]` ("mpirun" or "tf-adasum
+    launch") for every test that reads its tasks' reports; it starts when a
+    test first asks for it."""
+    folders = {}
+
+    def folder(launcher):
+        if launcher not in folders:
+            from multiprocess import shared_launch
+
+            out = tmp_path_factory.mktemp("two_processes")
+            shared_launch(launcher, out)
+            folders[launcher] = out
+        return folders[launcher]
+
+    return folder
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -68,6 +68,40 @@ def build_native_mpi_ops() -> str:
     return result.stdout
 
 
+#: The tasks of distributed_worker.py that one launch of 2 processes runs for
+#: several tests, and its environment, per launcher: every launch pays
+#: TensorFlow's start-up on each process, so the tests that read 2 processes'
+#: reports share one (`shared_launch`). Each task writes files of its own;
+#: ``mismatch``, whose error every process reports, comes last.
+SHARED_LAUNCHES = {
+    "mpirun": ("collective,train,diagnostics,weight_decay,processes,mismatch", {}),
+    # test_multiworker's port test reads the collective's listener: TF's port plus this offset.
+    "tf-adasum launch": ("collective,weight_decay,processes,mismatch", {"TF_ADASUM_WORKER_PORT_OFFSET": "1000"}),
+}
+
+
+def process_command(launcher: str, n: int) -> list[str]:
+    """The command that starts `n` distributed workers under `launcher`
+    ("tf-adasum launch" or "mpirun"), less the task and folder."""
+    if launcher == "tf-adasum launch":
+        return [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), WORKER]
+    from tf_adasum.launcher.mpirun import mpirun_command
+
+    try:
+        return mpirun_command(n) + [sys.executable, WORKER]
+    except FileNotFoundError as error:
+        pytest.fail(str(error))
+
+
+def shared_launch(launcher: str, out) -> None:
+    """Runs `SHARED_LAUNCHES[launcher]` on 2 processes, writing into `out`
+    (the session's fixture `two_processes` calls it once per launcher)."""
+    tasks, env = SHARED_LAUNCHES[launcher]
+    command = process_command(launcher, 2) + [tasks, str(out)]
+    result = subprocess.run(command, env=worker_env(**env), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
 def worker_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.update(TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow", **extra)

@@ -83,11 +83,12 @@ def _collective_results(out, n):
     return [np.load(out / f"collective_rank{r}.npz") for r in range(n)]
 
 
-def test_socket_port_is_the_tf_port_plus_the_offset_on_the_specified_address(tmp_path):
+def test_socket_port_is_the_tf_port_plus_the_offset_on_the_specified_address(two_processes):
     """TF_ADASUM_WORKER_PORT_OFFSET: each worker's socket transport listens on
     its TF_CONFIG port plus the offset, on the address TF_CONFIG names
-    (localhost), so a firewall that opens those ports lets it through."""
-    _launch(2, "collective", tmp_path, TF_ADASUM_WORKER_PORT_OFFSET="1000")
+    (localhost), so a firewall that opens those ports lets it through. (The
+    launch of 2 workers that other tests read too sets the offset to 1000.)"""
+    tmp_path = two_processes("tf-adasum launch")
     check_collective(tmp_path, 2)
     check_over_sockets(tmp_path, 2)
     for r, result in enumerate(_collective_results(tmp_path, 2)):
@@ -112,9 +113,8 @@ def test_an_unusable_socket_port_makes_every_worker_fall_back_together(tmp_path)
         assert list(result["unclosed_sockets"]) == [], r  # the listeners no mesh took were closed, not dropped
 
 
-def test_mismatched_variables_raise_on_every_worker(tmp_path):
-    _launch(2, "mismatch", tmp_path)
-    for report in read_reports(tmp_path, "mismatch", 2):
+def test_mismatched_variables_raise_on_every_worker(two_processes):
+    for report in read_reports(two_processes("tf-adasum launch"), "mismatch", 2):
         assert report["raised"] and report["type"] == "ValueError", report
         assert "trainable variables differ across the workers" in report["message"]
         assert report["seconds"] < 30

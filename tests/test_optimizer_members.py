@@ -12,19 +12,16 @@ import inspect
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
-from multiprocess import WORKER, worker, worker_env
+from multiprocess import worker
 from simulation import BATCH, IN, OUT, data
 
 import tf_adasum
-from tf_adasum.launcher.mpirun import mpirun_command
 from tf_adasum.step.members import FORWARDED, MEMBERS, OWN, REFUSED, ForwardedToInner
 
 KERAS_OPTIMIZER = keras.optimizers.Optimizer
@@ -245,15 +242,6 @@ def test_exclude_from_weight_decay_reaches_the_inner_optimizer(n, kwargs, when, 
                 np.testing.assert_allclose(value, want, rtol=1e-6)
 
 
-def _process_command(launcher, n):
-    if launcher == "tf-adasum launch":
-        return [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), WORKER]
-    try:
-        return mpirun_command(n) + [sys.executable, WORKER]
-    except FileNotFoundError as error:
-        pytest.fail(str(error))
-
-
 @pytest.mark.parametrize(
     "launcher",
     [
@@ -261,11 +249,9 @@ def _process_command(launcher, n):
         pytest.param("mpirun", marks=pytest.mark.mpi),  # the MPI engine
     ],
 )
-def test_exclude_from_weight_decay_across_processes(launcher, tmp_path):
-    n = 2
-    command = _process_command(launcher, n) + ["weight_decay", str(tmp_path)]
-    result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+def test_exclude_from_weight_decay_across_processes(launcher, two_processes):
+    """The ``weight_decay`` task of the launch of 2 processes that other tests read too."""
+    n, tmp_path = 2, two_processes(launcher)
     results = {}
     for decay in ("excluded", "everywhere"):
         model = worker.dense_model(seed=30)

@@ -8,20 +8,13 @@ processes are also exercised through `tf_adasum.BackupAndRestore`'s check
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import mirrored
-from multiprocess import TESTS, worker_env
 
-from tf_adasum.launcher.mpirun import mpirun_command
 from tf_adasum.processes import KINDS, Processes
-
-PROCESSES_WORKER = os.path.join(TESTS, "workers", "processes_worker.py")
 
 
 def test_one_process_is_index_0_of_1_and_its_sum_is_the_values():
@@ -100,23 +93,13 @@ def test_sum_arguments_are_checked_before_any_exchange(values, error, match):
         Processes("worker", 0, 2, reduce).sum([1.0], what=3)
 
 
-def _launch(kind, out):
-    if kind == "rank":
-        command = mpirun_command(2)
-    else:
-        command = [sys.executable, "-m", "tf_adasum.launch", "-n", "2"]
-    command += [sys.executable] if kind == "rank" else []
-    command += [PROCESSES_WORKER, str(out)]
-    return subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize(
     "kind",
     [pytest.param("worker", marks=pytest.mark.multiworker), pytest.param("rank", marks=pytest.mark.mpi)],
 )
-def test_two_processes_see_their_index_the_count_and_the_same_sums(kind, tmp_path):
-    result = _launch(kind, tmp_path)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+def test_two_processes_see_their_index_the_count_and_the_same_sums(kind, two_processes):
+    """The ``processes`` task of the launch of 2 processes that other tests read too."""
+    tmp_path = two_processes({"worker": "tf-adasum launch", "rank": "mpirun"}[kind])
     reports = [json.loads((tmp_path / f"processes_{index}.json").read_text()) for index in range(2)]
     for index, report in enumerate(reports):
         assert (report["kind"], report["index"], report["count"]) == (kind, index, 2)

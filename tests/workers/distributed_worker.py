@@ -18,7 +18,9 @@ simulation, so the oracle lives in the tests):
   transport; rank 0's second must fail at once, naming the lost worker;
 * ``uneven``: rank 0 has one batch more; its extra step must time out;
 * ``weight_decay``: AdamW through the wrapper with the bias excluded from
-  weight decay on the wrapper; every rank applies the same gradients.
+  weight decay on the wrapper; every rank applies the same gradients;
+* ``processes``: what `tf_adasum.processes.Processes` sees here, and two sums
+  over the processes (tests/workers/processes_worker.py).
 """
 
 import json
@@ -256,9 +258,13 @@ def run_uneven(engine, out):
         model.compile(optimizer=tf_adasum.AdasumOptimizer(SGD().keras()), loss="mse")
     _report(out, "uneven", engine.rank, lambda: engine.fit(model, x, y, steps))
     if engine.rank != 0:
-        # Stay alive until rank 0's collective has timed out: a vanished peer
-        # would be reported by the strategy's heartbeat instead.
-        time.sleep(TIMEOUT_SECONDS + 5)
+        # Stay alive until rank 0's collective has timed out (its report is
+        # written): a vanished peer would be reported by the strategy's
+        # heartbeat instead. At most the timeout and 5 s, as before.
+        report = os.path.join(out, "uneven_rank0.json")
+        deadline = time.monotonic() + TIMEOUT_SECONDS + 5
+        while not os.path.exists(report) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def weight_decay_gradients() -> list[np.ndarray]:
@@ -291,6 +297,13 @@ def run_weight_decay(engine, out):
     np.savez(os.path.join(out, f"weight_decay_rank{engine.rank}.npz"), *[w.numpy() for w in model.weights])
 
 
+def run_processes(engine, out):
+    """`tf_adasum.processes.Processes` of this process: its index, the count, two sums."""
+    from processes_worker import report  # beside this script
+
+    report(engine.strategy, out)
+
+
 def _report(out, task, rank, fn):
     result = {"raised": False}
     start = time.monotonic()
@@ -313,6 +326,7 @@ TASKS = {
     "killed_combine": run_killed_combine,
     "uneven": run_uneven,
     "weight_decay": run_weight_decay,
+    "processes": run_processes,
 }
 
 
