@@ -9,12 +9,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from multiprocess import EMULATED_HOSTS_REFUSAL, TESTS, worker_env
+from multiprocess import EMULATED_HOSTS_REFUSAL, TESTS, load_worker, worker_env
 
 import tf_adasum
 from tf_adasum import launch, reference
@@ -30,6 +31,8 @@ from tf_adasum.tree.buckets import make_buckets, pack
 WORKER = os.path.join(TESTS, "workers", "logical_worker.py")
 sys.path.insert(0, os.path.join(TESTS, "workers"))
 from elastic_worker import EPOCHS, STEPS  # noqa: E402
+
+logical_worker = load_worker(WORKER)
 
 
 def _states(folder, prefix="rank"):
@@ -49,12 +52,22 @@ def _run(processes, out, combiner="adasum", mode="delta", launcher="mpirun"):
     workers of TF_CONFIG ("workers": ``tf-adasum launch -n``)."""
     out.mkdir()
     command = [sys.executable, WORKER, str(out), combiner, mode]
-    if processes > 1 and launcher == "mpirun":
+    if launcher == "mpirun":
         command = mpirun_command(processes) + command
-    elif processes > 1:
+    else:
         command = [sys.executable, launch.__file__, "-n", str(processes), *command[1:]]
     result = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return _states(out)
+
+
+def _in_this_process(out, combiner="adasum", mode="delta"):
+    """The worker's states with all 8 replicas in one process, run here (as
+    ``python logical_worker.py`` runs it, without a process's start-up)."""
+    out.mkdir()
+    with warnings.catch_warnings():  # Keras' note on `fit`'s default shuffle=True, which a process's stderr hid
+        warnings.filterwarnings("ignore", "`shuffle=True` was passed", UserWarning)
+        logical_worker.main(str(out), combiner, mode)
     return _states(out)
 
 
@@ -62,13 +75,13 @@ def _run(processes, out, combiner="adasum", mode="delta", launcher="mpirun"):
 def one_process(tmp_path_factory):
     """The states of the job in one process (Adasum, delta mode): what every
     process count and every elastic run must give."""
-    return _run(1, tmp_path_factory.mktemp("logical") / "one")
+    return _in_this_process(tmp_path_factory.mktemp("logical") / "one")
 
 
 @pytest.fixture(scope="module")
 def one_process_adacons(tmp_path_factory):
     """The same with AdaCons in gradient mode."""
-    return _run(1, tmp_path_factory.mktemp("logical") / "one", "adacons", "gradient")
+    return _in_this_process(tmp_path_factory.mktemp("logical") / "one", "adacons", "gradient")
 
 
 def _assert_same(actual, expected, what):
