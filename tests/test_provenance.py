@@ -3,6 +3,7 @@ commit, the processor and the command; a benchmark's records, printed by a
 real run of benchmarks/collective.py, carry them."""
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from multiprocess import worker_env
 
 from tf_adasum.eval import provenance
@@ -61,3 +63,22 @@ def test_a_benchmark_record_carries_its_provenance():
     assert record["command"] == "python benchmarks/collective.py " + " ".join(argv)
     assert re.fullmatch(COMMIT, record["commit"]) and record["processor"] == provenance.processor(), record
     assert datetime.datetime.fromisoformat(record["date"]).date() == datetime.datetime.now(datetime.timezone.utc).date()
+
+
+#: Benchmark tables in the guide and the committed records they are generated from.
+TABLES = [("docs/benchmarks/collective_mpi_loopback.jsonl", "docs/guide/benchmarks.md")]
+
+
+@pytest.mark.parametrize("records, page", TABLES)
+def test_a_benchmark_table_is_its_records(records, page):
+    """The guide shows `collective.py --table` of the committed records, and
+    every record names its date, commit, processor and command."""
+    spec = importlib.util.spec_from_file_location("collective", os.path.join(ROOT, "benchmarks", "collective.py"))
+    collective = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(collective)
+    with open(os.path.join(ROOT, records), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert rows and all({"date", "commit", "processor", "command"} <= set(r) for r in rows), records
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    assert collective.table(rows) in text, f"{page} does not show the table of {records}"
+    assert rows[0]["command"] in text and rows[0]["commit"] in text and rows[0]["date"][:10] in text
