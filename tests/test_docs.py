@@ -233,3 +233,21 @@ def test_no_page_announces_work_as_still_to_come():
         if _STALE_PHRASES.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def test_the_api_references_name_table_is_all():
+    """The API reference's table of `tf_adasum.` names lists `__all__`, each
+    with the module that defines it."""
+    import importlib
+
+    import tf_adasum
+
+    text = (ROOT / "docs" / "reference" / "api.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \[`(\w+)`\]\(#[\w.]+\) \| `?([\w./]+)`? \|", text, re.M)
+    assert sorted(name for name, _ in rows) == sorted(tf_adasum.__all__), rows
+    for name, where in rows:
+        value = getattr(tf_adasum, name)
+        if where == "module":
+            assert importlib.import_module(f"tf_adasum.{name}") is value, name
+        elif not where.endswith(".py"):
+            assert value.__module__ == where, (name, value.__module__, where)
