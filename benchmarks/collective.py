@@ -179,7 +179,7 @@ def main(argv=None):
         return _mpi_rank(args)
     from tf_adasum.eval import provenance
 
-    command = provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
+    command = provenance.command_line(__file__, argv)
     _PROVENANCE.update(provenance.fields(command))
     if "local" in args.engine:
         cpus = tf.config.list_physical_devices("CPU")

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     from tf_adasum.eval import provenance as provenance_of
 
     # The script's commit, which computed the prediction; the date is each row's run's.
-    provenance = provenance_of.fields(provenance_of.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
+    provenance = provenance_of.fields(provenance_of.command_line(__file__, argv))
     del provenance["date"]
     provenance["runs_commit"] = RUNS_COMMIT
     for model in args.models:

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     subprocess.run([sys.executable, "-m", "tf_adasum.engines.mpi_native", "--build"], check=True, capture_output=True)
     from tf_adasum.eval import provenance
 
-    origin = provenance.fields(provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
+    origin = provenance.fields(provenance.command_line(__file__, argv))
     forwarded = ["--sizes", *map(str, args.sizes), "--repeats", str(args.repeats), "--timeout", str(args.timeout)]
     for n in args.replicas:
         command = mpirun_command(n) + [sys.executable, os.path.abspath(__file__), "--role", "rank", *forwarded]

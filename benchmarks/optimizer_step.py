@@ -104,7 +104,7 @@ def main(argv=None):
         record["extra_state_bytes"] = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in own)
         record["transient_copy_bytes"] = weights_bytes
         record["ratio"] = round(record["adasum_ms"] / record["inner_ms"], 3)
-        print(json.dumps({**record, **provenance.fields()}), flush=True)
+        print(json.dumps({**record, **provenance.fields(provenance.command_line(__file__, argv))}), flush=True)
 
 
 if __name__ == "__main__":

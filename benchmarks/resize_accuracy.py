@@ -124,6 +124,8 @@ def run(combiner: str, schedule: str, seed: int, epochs: int) -> dict:
 
 
 def main() -> None:
+    from tf_adasum.eval import provenance
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=10)
@@ -146,8 +148,6 @@ def main() -> None:
             if result.returncode != 0:
                 raise RuntimeError(f"{combiner} {schedule} seed {seed} failed: {result.stderr[-3000:]}")
             record = json.loads(result.stdout.strip().splitlines()[-1])
-            from tf_adasum.eval import provenance
-
             record.update(provenance.fields())
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -260,7 +260,7 @@ def main(argv=None) -> None:
         return _mpi_rank(args)
     from tf_adasum.eval import provenance
 
-    origin = provenance.fields(provenance.command_line([__file__, *(sys.argv[1:] if argv is None else argv)]))
+    origin = provenance.fields(provenance.command_line(__file__, argv))
     summaries = []
     for engine in ENGINES:
         if engine in args.engine:

@@ -35,8 +35,8 @@ def test_fields_name_date_commit_processor_and_command():
 
 def test_the_command_is_written_from_the_repository_root():
     script = os.path.join(ROOT, "benchmarks", "mpi_native.py")
-    assert provenance.command_line([script, "--sizes", "1 2"]) == "python benchmarks/mpi_native.py --sizes '1 2'"
-    assert provenance.command_line(["/elsewhere/x.py", "-v"]) == "python /elsewhere/x.py -v"
+    assert provenance.command_line(script, ["--sizes", "1 2"]) == "python benchmarks/mpi_native.py --sizes '1 2'"
+    assert provenance.command_line("/elsewhere/x.py", ["-v"]) == "python /elsewhere/x.py -v"
 
 
 def test_the_vector_extension_is_the_widest_offered():

@@ -107,19 +107,21 @@ def processor() -> str:
     return f"{name}, {vector_extension(flags)}"
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    """This process's command line (``argv``, default `sys.argv`) as typed from
-    the repository's root: ``python``, then the script's path relative to it.
+def command_line(script: str | None = None, args: list[str] | None = None) -> str:
+    """The command line of `script` (default ``sys.argv[0]``) with `args`
+    (default ``sys.argv[1:]``, as a ``main(argv=None)`` passes them on) as
+    typed from the repository's root: ``python``, then the script's path
+    relative to it.
 
     Examples:
-        >>> command_line([os.path.join(ROOT, "benchmarks", "collective.py"), "--engine", "mpi"])
+        >>> command_line(os.path.join(ROOT, "benchmarks", "collective.py"), ["--engine", "mpi"])
         'python benchmarks/collective.py --engine mpi'
     """
-    argv = list(sys.argv if argv is None else argv)
-    script = argv[0] if argv else ""
+    script = (sys.argv[0] if sys.argv else "") if script is None else script
+    args = sys.argv[1:] if args is None else args
     if os.path.isabs(script) and script.startswith(ROOT + os.sep):
         script = os.path.relpath(script, ROOT)
-    return shlex.join(["python", script, *argv[1:]])
+    return shlex.join(["python", script, *args])
 
 
 def fields(command: str | None = None) -> dict[str, str]:
