@@ -51,7 +51,8 @@ def test_compressed_collective_across_workers(n, compression, tmp_path):
 # tests; the training check of N = 2 and 3 runs under mpirun.
 @pytest.mark.parametrize("n", [4])
 def test_collective_and_training_across_workers(n, tmp_path):
-    output = _launch(n, "collective,train,diagnostics", tmp_path)
+    # Swaps in pieces of 1 KiB over the socket transport: several per level.
+    output = _launch(n, "collective,train,diagnostics", tmp_path, TEST_PIECE_BYTES="1024")
     for index in range(n):
         assert f"[worker {index}] " in output
     check_collective(tmp_path, n)

@@ -45,7 +45,7 @@ from simulation import data as simulation_data  # noqa: E402
 
 import tf_adasum  # noqa: E402
 import tf_adasum.mpi  # noqa: E402
-from tf_adasum.comm import collective, mpi_transport, socket_setup  # noqa: E402
+from tf_adasum.comm import collective, mpi_transport, socket_communicator, socket_setup  # noqa: E402
 from tf_adasum.engines import select  # noqa: E402
 from tf_adasum.engines.mpi import MPIEngine  # noqa: E402
 
@@ -59,6 +59,8 @@ COMPRESSION = os.environ.get("TEST_COMPRESSION") or None
 # ``TEST_REMOTE_MESSAGE_BYTES``: pairwise messages between workers split into
 # pieces of at most this many bytes (the default splits only beyond 8 MiB).
 collective.REMOTE_MESSAGE_BYTES = int(os.environ.get("TEST_REMOTE_MESSAGE_BYTES", collective.REMOTE_MESSAGE_BYTES))
+# ``TEST_PIECE_BYTES``: the socket transport's swaps travel in pieces of about this many bytes.
+socket_communicator.PIECE_BYTES = int(os.environ.get("TEST_PIECE_BYTES", socket_communicator.PIECE_BYTES))
 
 
 def collective_inputs(rank: int) -> list[np.ndarray]:

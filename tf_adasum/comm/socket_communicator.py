@@ -12,6 +12,7 @@ receive is buffered only up to the largest size of the agreed layout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,7 +22,10 @@ from tf_adasum.comm import collective_keys
 from tf_adasum.comm.socket_link import aligned_empty
 from tf_adasum.comm.sockets import Mesh
 
-__all__ = ["SocketCommunicator", "sum_steps"]
+__all__ = ["PIECE_BYTES", "SocketCommunicator", "sum_steps"]
+
+#: A swap's half travels in messages of about this many bytes (`SocketCommunicator.swap_in_pieces`).
+PIECE_BYTES = 1 << 20
 
 
 def _as_bytes(x: tf.Tensor) -> tf.Tensor:
@@ -53,6 +57,9 @@ class SocketCommunicator:
     `tf_adasum.comm.collective_keys.KEYS` (the pair's group key and this device's
     next instance key in it), identical on both members of a pair.
 
+    A swap travels in pieces of about `PIECE_BYTES` (`swap_in_pieces`), each
+    a tensor as soon as it has come.
+
     Args:
       devices: the device of every rank, in rank order.
       rank: this communicator's rank.
@@ -62,9 +69,12 @@ class SocketCommunicator:
 
     def __init__(self, devices: Sequence[str], rank: int, processes: Sequence[int], mesh: Mesh):
         self.devices, self.rank, self.size = tuple(devices), rank, len(devices)
+        self.piece_bytes = PIECE_BYTES
         self.device = self.devices[rank]
         self._processes = tuple(processes)
         self._mesh = mesh
+        self._in_flight: dict[int, tuple] = {}  # swap_in_pieces: handle -> (Pieces, received buffer)
+        self._handles = itertools.count()
 
     def direct(self, members: tuple[int, ...]) -> bool:
         """False: no two ranks of the tree share a process."""
@@ -101,6 +111,61 @@ class SocketCommunicator:
         with tf.device(self.device):
             kept = x[me]
         return (kept, received) if me == 0 else (received, kept)
+
+    def swap_in_pieces(self, send: tf.Tensor, partner: int, cuts: Sequence[int]) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Sends `send` (``[m]``, this rank's half for `partner`) while
+        receiving the partner's half for this rank, both cut at the element
+        offsets `cuts` (``0 < c_1 < ... < m``, possibly none) into messages of
+        their own.
+
+        Returns ``(pieces, whole)``: the received half's pieces, each a tensor
+        as soon as it has come (work on one overlaps the transfer of the
+        rest), and the whole received half (``[m]``, the buffer the pieces
+        were received into), complete once every piece of `send` is sent too.
+        One call on the mesh's chain per piece (the last piece is a slice of
+        the whole)."""
+        peer, tag, what = self._processes[partner], self._tag(partner), self._what("swap_in_pieces", partner)
+        m, size = send.shape[0], send.dtype.size
+        bounds = [(start * size, end * size) for start, end in zip([0, *cuts], [*cuts, m])]
+        largest = max(end - start for start, end in bounds)
+        self._mesh.allow(largest)
+        with tf.device(self.device):
+            raw = _as_bytes(send)
+
+        def start(raw):
+            self._mesh.allow(largest)
+            received = aligned_empty(raw.nbytes)
+            pieces = self._mesh.exchange_in_pieces(
+                peer, tag, [raw[a:b] for a, b in bounds], [received[a:b] for a, b in bounds], what
+            )
+            if len(bounds) == 1:
+                return finish(pieces, received), np.int64(-1)
+            handle = next(self._handles)
+            self._in_flight[handle] = (pieces, received)
+            return pieces.wait(0), np.int64(handle)
+
+        def finish(pieces, received):
+            pieces.wait(len(bounds) - 1)
+            pieces.finish()
+            return received
+
+        def piece(k):
+            return lambda handle: self._in_flight[int(handle)][0].wait(k)
+
+        with tf.device(self.device):
+            first, handle = self._mesh.chain.chain(
+                lambda: tf.numpy_function(start, [raw], [tf.uint8, tf.int64], stateful=True)
+            )
+        first.set_shape([bounds[0][1]])
+        received = [first] + [self._call(piece(k), [handle], b - a) for k, (a, b) in enumerate(bounds[1:-1], 1)]
+        if len(bounds) > 1:
+            whole = self._call(lambda handle: finish(*self._in_flight.pop(int(handle))), [handle], m * size)
+            with tf.device(self.device):
+                received.append(whole[bounds[-1][0] :])
+        else:
+            whole = first
+        with tf.device(self.device):
+            return [_from_bytes(piece, send.dtype) for piece in received], _from_bytes(whole, send.dtype)
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         me, peer, tag = (0 if self.rank < partner else 1), self._processes[partner], self._tag(partner)

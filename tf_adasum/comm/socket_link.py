@@ -2,7 +2,9 @@
 
 A `Link` joins this process to one peer (`tf_adasum.comm.sockets.Mesh` makes
 them). A message is a header (a 64-bit tag and the payload's byte count) and
-its bytes, sent from the tensor's memory under the link's send lock. The
+its bytes, sent from the tensor's memory under the link's send lock, by the
+caller (`Link.send`) or by the link's sending thread (`Link.send_later`: the
+caller waits for its receives meanwhile). The
 link's own thread reads every message as it comes: the k-th message with a
 tag fills the k-th receive posted for that tag (`Link.post`), so messages
 match whatever order TensorFlow's threads run in, and is read into the
@@ -24,10 +26,12 @@ programs) fails the link with `InvalidArgumentError`.
 from __future__ import annotations
 
 import collections
+import queue
 import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -124,6 +128,7 @@ class Link:
         self._timeout = timeout
         self._limit = limit  # the most bytes a message may bring before its receive is posted
         self.withheld: tuple[int, int] | None = None  # see `_claim`
+        self._outbox: queue.SimpleQueue | None = None  # see `send_later`
         threading.Thread(target=self._read_forever, name=f"tf_adasum reader ({name})", daemon=True).start()
 
     def _claim(self, tag: int, nbytes: int) -> _Receive:
@@ -266,3 +271,42 @@ class Link:
             except OSError as error:
                 failure = transport_error(tf.errors.UnavailableError, f"sending to {self.name} failed: {error}.")
                 raise self.fail(failure) from None
+
+    def send_later(self, tag: int, payloads: Sequence[np.ndarray], what: str) -> threading.Event:
+        """Sends `payloads`, in order, as the next messages with `tag`, from
+        the link's sending thread (started on first use), so that the caller
+        may wait for its receives meanwhile; returns an event set once they
+        are all sent or the link failed (see `wait_sent`). The payloads must
+        not change until then."""
+        sent = threading.Event()
+        with self._state:
+            if self._outbox is None:
+                self._outbox = queue.SimpleQueue()
+                threading.Thread(target=self._send_forever, name=f"tf_adasum sender ({self.name})", daemon=True).start()
+            self._outbox.put((tag, list(payloads), what, sent))
+        return sent
+
+    def _send_forever(self) -> None:
+        while True:
+            tag, payloads, what, sent = self._outbox.get()
+            try:
+                for payload in payloads:
+                    self.send(tag, payload, what)
+            except tf.errors.OpError:
+                pass  # the link failed (`send` failed it): `wait_sent` raises that failure
+            except BaseException as error:  # never leave the waits hanging
+                self.fail(transport_error(tf.errors.InternalError, f"{what} failed: {error!r}."))
+            finally:
+                sent.set()
+
+    def wait_sent(self, sent: threading.Event, deadline: float | None, what: str) -> None:
+        """Waits until the messages of `send_later` that returned `sent` are
+        sent; raises the link's failure, or fails it past `deadline`."""
+        if not sent.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+            raise self.fail(
+                transport_error(tf.errors.DeadlineExceededError, f"{what} timed out sending to {self.name}.")
+            )
+        with self._state:
+            failure = self._failure
+        if failure is not None:
+            raise copy_of(failure)

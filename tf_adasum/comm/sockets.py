@@ -45,7 +45,7 @@ from tf_adasum.comm import ordering, socket_listener
 from tf_adasum.comm.socket_link import Link, copy_of, transport_error
 from tf_adasum.comm.socket_listener import Listener
 
-__all__ = ["CONNECT_TIMEOUT_SECONDS", "Mesh"]
+__all__ = ["CONNECT_TIMEOUT_SECONDS", "Mesh", "Pieces"]
 
 _HANDSHAKE_SECONDS = 30.0  # the connecting side's wait for the answer to its hello
 #: How long `Mesh.connect` waits for its peers when messages may wait forever.
@@ -229,3 +229,47 @@ class Mesh:
             if not isinstance(error, tf.errors.OpError):
                 error = transport_error(tf.errors.InternalError, f"{what} failed: {error!r}.")
             raise link.fail(error) from None
+
+    def exchange_in_pieces(
+        self, peer: int, tag: int, outgoing: Sequence[np.ndarray], into: Sequence[np.ndarray], what: str
+    ) -> Pieces:
+        """Starts sending `outgoing` to `peer` and receiving its pieces with
+        `tag` into `into` (uint8 arrays), one message each, in order; returns
+        at once (the link's sending thread sends): `Pieces.wait` waits for
+        one received piece, `Pieces.finish` for the sends."""
+        deadline = time.monotonic() + self.timeout if self.timeout else None
+        link = self.link(peer, deadline)
+        pieces = Pieces(link, deadline, what)
+        pieces.guard(lambda: pieces.start(tag, outgoing, into))
+        return pieces
+
+
+class Pieces:
+    """An exchange in pieces under way (`Mesh.exchange_in_pieces`), within one deadline."""
+
+    def __init__(self, link: Link, deadline: float | None, what: str):
+        self._link, self._deadline, self._what = link, deadline, what
+        self._receives: list = []
+        self._sent = None
+
+    def guard(self, step: Callable[[], np.ndarray | None]) -> np.ndarray | None:
+        """Runs `step`; any failure fails the link (a receive posted but never
+        waited for must not take a later message) and is raised as an `OpError`."""
+        try:
+            return step()
+        except BaseException as error:
+            if not isinstance(error, tf.errors.OpError):
+                error = transport_error(tf.errors.InternalError, f"{self._what} failed: {error!r}.")
+            raise self._link.fail(error) from None
+
+    def start(self, tag: int, outgoing: Sequence[np.ndarray], into: Sequence[np.ndarray]) -> None:
+        self._receives = [self._link.post(tag, piece) for piece in into]
+        self._sent = self._link.send_later(tag, outgoing, self._what)
+
+    def wait(self, k: int) -> np.ndarray:
+        """The k-th received piece, once it is in."""
+        return self.guard(lambda: self._link.wait(self._receives[k], self._deadline, self._what))
+
+    def finish(self) -> None:
+        """Waits until every outgoing piece is sent."""
+        self.guard(lambda: self._link.wait_sent(self._sent, self._deadline, self._what))

@@ -29,6 +29,18 @@ process), an exchange between two of those ranks is no collective at all: a
 rank reads its partner's tensor where it lies (TensorFlow hands a CPU tensor
 to another CPU device of the same process without copying it), and a partial
 sum over such ranks is a local sum of their partials, in member order.
+
+Where a communicator moves the bytes itself (`Communicator.piece_bytes`: the
+socket transport between worker processes), a level's half travels in
+messages of about that size, and each piece's partials are computed as soon
+as it has come, while the rest is on the wire; a rank adds its pieces'
+partials in piece order (pairwise, as `_pairwise_sum` does), before they are
+summed over the ranks, so the sum's order is fixed and the result is the same
+whatever the arrival order. The level's combine then computes first the half
+that the rank sends at the next level, whose exchange starts while it
+combines the half it keeps. (Its float64 sums are added in another order than
+a tree without pieces adds them: the results of the two may differ in the
+last bit of an element, never between the ranks of one tree.)
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from typing import Protocol
 
 import tensorflow as tf
 
-from tf_adasum.ops import Segments
+from tf_adasum.ops import BLOCK, Segments
 from tf_adasum.reference import tree_shape, tree_with_blocks
 from tf_adasum.tree.buckets import Bucket
 
@@ -88,6 +100,18 @@ class Communicator(Protocol):
         itself among them) where they lie instead of exchanging them: true
         only where every member lives in this process and the driver builds
         them all in one `allreduce` call. Every member must answer alike."""
+
+    # Optional, for a transport that moves the bytes itself (never direct):
+    #
+    # piece_bytes: int
+    #     > 0: each level's halves go through `swap_in_pieces` instead of
+    #     `swap_halves`, in messages of about this many bytes.
+    #
+    # def swap_in_pieces(self, send, partner, cuts) -> tuple[list[tf.Tensor], tf.Tensor]:
+    #     Sends `send` ([m], this rank's half for `partner`) and receives the
+    #     partner's half for this rank, both cut at the element offsets `cuts`;
+    #     returns the received pieces, each as soon as it has come, and the
+    #     whole received half ([m]).
 
 
 class PairRule(Protocol):
@@ -257,14 +281,18 @@ def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
     return values[0]
 
 
-def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rule: PairRule, records, level: int):
-    """Every rank's `rule.combine` of its ``(a, b)`` in `pairs`, the rule's
-    partials summed over each rank's `blocks` of ranks (None: its own alone)."""
+def _partials(ranks: _Ranks, pieces: dict, blocks: dict, rule: PairRule, records, level: int) -> dict:
+    """Per rank, the rule's partials of its pair, given as pieces
+    ``[(a, b, segments), ...]`` (one per message it came in: each piece's
+    partials are computed as soon as it has come, and added in piece order),
+    summed over the rank's `blocks` of ranks (None: its own alone); None
+    where the rule needs none."""
     comms = ranks.comms
     partials = {}
-    for i, (a, b) in pairs.items():
+    for i, pair_pieces in pieces.items():
         with tf.device(comms[i].device):
-            partials[i] = rule.partials(a, b, segments[i])
+            each = [rule.partials(a, b, segments) for a, b, segments in pair_pieces]
+            partials[i] = None if each[0] is None else _pairwise_sum(each)
     if any(p is not None for p in partials.values()):
         shared = {i: (p, blocks[i]) for i, p in partials.items() if blocks[i] is not None}
         partials = {**partials, **ranks.sum_float64(shared)}
@@ -272,11 +300,20 @@ def _combine_pairs(ranks: _Ranks, pairs: dict, segments: dict, blocks: dict, rul
             if records[i] is not None:
                 with tf.device(comms[i].device):
                     records[i](level, p)
-    out = {}
-    for i, (a, b) in pairs.items():
-        with tf.device(comms[i].device):
-            out[i] = rule.combine(a, b, segments[i], partials[i])
-    return out
+    return partials
+
+
+def _in_pieces(comm: Communicator) -> bool:
+    """Whether `comm` sends a level's halves in pieces (`Communicator.piece_bytes`)."""
+    return getattr(comm, "piece_bytes", 0) > 0
+
+
+def _cuts(length: int, itemsize: int, piece_bytes: int) -> list[int]:
+    """Where a half of `length` elements (whole blocks) is cut into messages
+    of about `piece_bytes` (at least one block each; none below two pieces)."""
+    blocks = length // BLOCK
+    count = max(1, min(blocks, length * itemsize // piece_bytes))
+    return [blocks * k // count * BLOCK for k in range(1, count)]
 
 
 @tf.autograph.experimental.do_not_convert  # builds a graph; plain Python, nothing for AutoGraph to convert
@@ -321,37 +358,75 @@ def allreduce(
     recvs = {i: (rank_of[i] + 1, flats[i]) for i in folds if not rank_of[i] % 2}
     sent, received = ranks.transfer(sends, recvs)
     if received:
-        pairs = {i: (flats[i], b) for i, b in received.items()}
         whole = bucket.segments(0, bucket.padded_length)
-        folded_pairs = _combine_pairs(
-            ranks, pairs, dict.fromkeys(pairs, whole), dict.fromkeys(pairs), rule, records, level=0
+        partials = _partials(
+            ranks, {i: [(flats[i], b, whole)] for i, b in received.items()}, dict.fromkeys(received), rule, records, 0
         )
-        flats = [folded_pairs.get(i, flat) for i, flat in enumerate(flats)]
+        for i, b in received.items():
+            with tf.device(comms[i].device):
+                flats[i] = rule.combine(flats[i], b, whole, partials[i])
 
     tree = [i for i in range(len(comms)) if i not in sends]
     virtual = {i: rank_of[i] // 2 if rank_of[i] < 2 * folded else rank_of[i] - folded for i in tree}
     level = 1 if folded else 0
     lo, length = dict.fromkeys(tree, 0), bucket.padded_length
+    # Ranks whose communicator sends a level's half in pieces (`_in_pieces`),
+    # and their slices kept as two halves (`halves`) where the last level
+    # combined them so, the half sent next first.
+    piecewise = {i for i in tree if _in_pieces(comms[i])}
+    halves = {}
     bit = 1
     while bit < leaves:
         half = length // 2
+        partner = {i: _real_rank(virtual[i] ^ bit, folded) for i in tree}
+        upper = {i: int(bool(virtual[i] & bit)) for i in tree}  # also this rank's index in its pair
         outgoing = {}
-        for i in tree:
+        for i in set(tree) - piecewise:
             with tf.device(comms[i].device):
-                outgoing[i] = (tf.reshape(flats[i], [2, half]), _real_rank(virtual[i] ^ bit, folded))
+                outgoing[i] = (tf.reshape(flats[i], [2, half]), partner[i])
         swapped = ranks.swap_halves(outgoing)
+        pieces = {i: [(*swapped[i], None)] for i in swapped}
+        for i in piecewise:
+            with tf.device(comms[i].device):
+                lower_upper = halves.pop(i, None) or (flats[i][:half], flats[i][half:])
+                kept = lower_upper[upper[i]]
+                cuts = _cuts(half, kept.dtype.size, comms[i].piece_bytes)
+                received, whole = comms[i].swap_in_pieces(lower_upper[1 - upper[i]], partner[i], cuts)
+                kept_pieces = [kept[start:end] for start, end in zip([0, *cuts], [*cuts, half])]
+            ordered = zip(kept_pieces, received) if upper[i] == 0 else zip(received, kept_pieces)
+            swapped[i] = (kept, whole) if upper[i] == 0 else (whole, kept)
+            pieces[i] = [(a, b, (start, end)) for (a, b), start, end in zip(ordered, [0, *cuts], [*cuts, half])]
         length = half
         segments, blocks = {}, {}
         for i in tree:
-            if virtual[i] & bit:
-                lo[i] += half
+            lo[i] += half * upper[i]
             segments[i] = bucket.segments(lo[i], lo[i] + length)
+            pieces[i] = [
+                (a, b, segments[i] if at is None else bucket.segments(lo[i] + at[0], lo[i] + at[1]))
+                for a, b, at in pieces[i]
+            ]
             block_start = virtual[i] & ~(2 * bit - 1)
             blocks[i] = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
-        for i, flat in _combine_pairs(ranks, swapped, segments, blocks, rule, records, level).items():
-            flats[i] = flat
+        partials = _partials(ranks, pieces, blocks, rule, records, level)
         bit <<= 1
         level += 1
+        for i in tree:
+            a, b = swapped[i]
+            with tf.device(comms[i].device):
+                if i not in piecewise or bit >= leaves:
+                    flats[i] = rule.combine(a, b, segments[i], partials[i])
+                    continue
+                # The half this rank sends at the next level first, then the one it keeps.
+                h, send = length // 2, 1 - int(bool(virtual[i] & bit))
+                bounds = [(0, h), (h, length)]
+                out = [None, None]
+                for j in (send, 1 - send):
+                    start, end = bounds[j]
+                    with tf.control_dependencies([] if out[send] is None else [out[send]]):
+                        out[j] = rule.combine(
+                            a[start:end], b[start:end], bucket.segments(lo[i] + start, lo[i] + end), partials[i]
+                        )
+                halves[i] = tuple(out)
     while bit > 1:
         bit >>= 1
         gathered = ranks.gather_pair({i: (flats[i], _real_rank(virtual[i] ^ bit, folded)) for i in tree})
