@@ -109,11 +109,39 @@ TABLE_COLUMNS = (
 )
 
 
+#: The columns `table` adds for records with ``--compression``.
+COMPRESSED_COLUMNS = (
+    ("compressed_ms", lambda r: f"{r['compressed_ms']:.3g}"),
+    ("ratio_compressed", lambda r: f"{r['ratio_compressed']:.2f}"),
+)
+
+
+#: The columns of `table` for records of emulated links (``--link``).
+LINK_COLUMNS = (
+    ("engine", lambda r: r["engine"]),
+    ("N", lambda r: str(r["replicas"])),
+    ("buffer", lambda r: f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"),
+    ("link", lambda r: r["link"]),
+    ("commit", lambda r: r["commit"]),
+    ("link_floor_ms", lambda r: f"{r['link_floor_ms']:.3g}"),
+    ("adasum_ms", lambda r: f"{r['adasum_ms']:.3g}"),
+    ("ratio_to_link_floor", lambda r: f"{r['ratio_to_link_floor']:.2f}"),
+    ("rvh_sum / floor", lambda r: f"{r['rvh_sum_ms'] / r['link_floor_ms']:.2f}"),
+    ("native_ratio_to_link_floor", lambda r: f"{r['native_ratio_to_link_floor']:.2f}"),
+)
+
+
 def table(records: list[dict]) -> str:
-    """The Markdown table of loopback records, one row per record in order,
-    as the benchmarks guide shows it (``--table FILE`` prints it)."""
-    lines = ["| " + " | ".join(h for h, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
-    lines += ["| " + " | ".join(cell(r) for _, cell in TABLE_COLUMNS) + " |" for r in records]
+    """The Markdown table of records, one row per record in order, as the
+    benchmarks guide shows it (``--table FILE`` prints it): `TABLE_COLUMNS`
+    on loopback, with the compressed wire's columns where every record has
+    them; `LINK_COLUMNS` where every record was taken on emulated links."""
+    if records and all("link" in r for r in records):
+        columns = LINK_COLUMNS
+    else:
+        columns = TABLE_COLUMNS + (COMPRESSED_COLUMNS if all("compressed_ms" in r for r in records) else ())
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in records]
     return "\n".join(lines) + "\n"
 
 
