@@ -16,6 +16,7 @@ from conftest import TOLERANCE, relative_error
 from tf_adasum import combiners, reference
 from tf_adasum.comm import socket_communicator, socket_listener, sockets
 from tf_adasum.engines.base import combine_with_communicators
+from tf_adasum.tree import rvh
 
 
 def _meshes(count, timeout=30.0):
@@ -414,9 +415,10 @@ def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("name", ["adasum", "sum"])
 def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, name, rng, monkeypatch):
-    # Pieces of 1 KiB: a level's half of a float32 bucket travels in up to 13
-    # messages, each piece's partials computed as it comes; then the tree
-    # without pieces over the same meshes, for comparison.
+    # Pieces of 1 KiB: a level's half of the float32 bucket travels in 11 or 12
+    # messages, each piece's partials computed as it comes (in a tf.function,
+    # as a training step runs it, called twice); then the same tree with whole
+    # halves (`swap_halves`), for comparison.
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
     meshes = _meshes(n)
     sizes = [(3000,), (40, 70), (5,)]
@@ -436,21 +438,36 @@ def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, 
             communicator.piece_bytes = piece_bytes
             with tf.device(devices[rank]):
                 values = [(tf.constant(x),) for x in inputs[rank]]
-            combined, _ = combine_with_communicators(values, [communicator], combiners.get(name))
-            return [np.asarray(c[0]) for c in combined]
+
+            @tf.function
+            def combine():
+                combined, partials = combine_with_communicators(values, [communicator], combiners.get(name))
+                return [c[0] for c in combined], partials
+
+            first, _ = combine()
+            again, partials = combine()
+            assert all(np.array_equal(a, b) for a, b in zip(first, again))
+            return [np.asarray(c) for c in again], np.asarray(partials)
 
         return _in_threads(*(lambda rank=rank: run(rank) for rank in range(n)))
 
     results = tree(1024)
-    assert messages and max(messages) > 4, messages
+    assert messages and max(messages) >= 11, messages
     per_rank = [[x.astype(np.float64) for x in rank] for rank in inputs]
     expected = reference.adasum_tree(per_rank) if name == "adasum" else [sum(xs) for xs in zip(*per_rank)]
-    for got, want in zip(results[0], expected):
+    for got, want in zip(results[0][0], expected):
         assert relative_error(got, want) < TOLERANCE["float32"]
-    for rank in results[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(rank, results[0]))
+    for rank, _ in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(rank, results[0][0]))
+    if name == "adasum":  # the first level's [a.b, |a|^2, |b|^2]: a is the lower rank's value, b the upper's
+        for r in rvh.level_representatives(n)[0]:
+            a, b = per_rank[r], per_rank[r + 1]
+            want = [[np.vdot(x, y), np.vdot(x, x), np.vdot(y, y)] for x, y in zip(a, b)]
+            np.testing.assert_allclose(results[r][1][0], want, rtol=1e-6)
     messages.clear()
-    whole = tree(1 << 30)  # one message a level
-    assert messages and max(messages) == 1, messages
-    for got, want in zip(whole[0], results[0]):
+    whole = tree(0)  # `swap_halves`: one message a level
+    assert not messages, messages
+    for got, want in zip(whole[0][0], results[0][0]):
+        if name == "sum":  # the same additions, whatever the pieces
+            assert np.array_equal(got, want)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

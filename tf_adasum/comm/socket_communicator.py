@@ -1,10 +1,10 @@
 """The vector-halving tree's steps over a socket mesh (`tf_adasum.comm.sockets`).
 
 `SocketCommunicator` is one rank's `tf_adasum.tree.rvh.Communicator`: each step (a
-swap, a gather, a level's float64 partial sums, a fold's send or receive) is
-one ``tf.numpy_function`` that sends from the tensor's memory and receives
-into the result's (bytes, whatever the dtype: tensors travel bitcast to
-uint8). `sum_steps` says whom a partial sum talks to. Each step tells the
+gather, a level's float64 partial sums, a fold's send or receive) is one
+``tf.numpy_function``, and a swap one per piece (`swap_in_pieces`), that
+sends from the tensor's memory and receives into the result's (bytes,
+whatever the dtype: tensors travel bitcast to uint8). `sum_steps` says whom a partial sum talks to. Each step tells the
 mesh the size of the message it receives (`Mesh.allow`: when it is built, if
 the shape is known, and when it runs), so a message arriving before its
 receive is buffered only up to the largest size of the agreed layout.
@@ -51,9 +51,9 @@ class SocketCommunicator:
     """One rank's `tf_adasum.tree.rvh.Communicator` over a `tf_adasum.comm.sockets.Mesh`.
 
     For trees whose ranks sit on CPUs, no two of one tree in the same process
-    (a process may hold one rank of each of several trees). Each step is one
-    ``tf.numpy_function`` on the mesh's chain, so every process issues them in
-    the same order; each message's tag is a pair of collective keys drawn from
+    (a process may hold one rank of each of several trees). Each step's
+    ``tf.numpy_function`` calls are on the mesh's chain, so every process
+    issues them in the same order; each message's tag is a pair of collective keys drawn from
     `tf_adasum.comm.collective_keys.KEYS` (the pair's group key and this device's
     next instance key in it), identical on both members of a pair.
 
@@ -133,6 +133,12 @@ class SocketCommunicator:
             raw = _as_bytes(send)
 
         def start(raw):
+            # A swap still in flight here is one whose step stopped between its
+            # calls: its receives, still posted, would take this swap's messages.
+            stale = [pieces for pieces, _ in self._in_flight.values()]
+            self._in_flight.clear()
+            for pieces in stale:
+                pieces.abandon()
             self._mesh.allow(largest)
             received = aligned_empty(raw.nbytes)
             pieces = self._mesh.exchange_in_pieces(
@@ -140,9 +146,10 @@ class SocketCommunicator:
             )
             if len(bounds) == 1:
                 return finish(pieces, received), np.int64(-1)
+            first = pieces.wait(0)
             handle = next(self._handles)
             self._in_flight[handle] = (pieces, received)
-            return pieces.wait(0), np.int64(handle)
+            return first, np.int64(handle)
 
         def finish(pieces, received):
             pieces.wait(len(bounds) - 1)
@@ -150,7 +157,14 @@ class SocketCommunicator:
             return received
 
         def piece(k):
-            return lambda handle: self._in_flight[int(handle)][0].wait(k)
+            def wait(handle):
+                try:
+                    return self._in_flight[int(handle)][0].wait(k)
+                except BaseException:
+                    self._in_flight.pop(int(handle), None)
+                    raise
+
+            return wait
 
         with tf.device(self.device):
             first, handle = self._mesh.chain.chain(
@@ -160,6 +174,9 @@ class SocketCommunicator:
         received = [first] + [self._call(piece(k), [handle], b - a) for k, (a, b) in enumerate(bounds[1:-1], 1)]
         if len(bounds) > 1:
             whole = self._call(lambda handle: finish(*self._in_flight.pop(int(handle))), [handle], m * size)
+            # The pieces and the whole are tensors over the same memory: every
+            # read of a piece (its partials) precedes the combine, the first op
+            # that could take the whole's buffer over.
             with tf.device(self.device):
                 received.append(whole[bounds[-1][0] :])
         else:

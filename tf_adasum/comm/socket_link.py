@@ -99,7 +99,9 @@ def copy_of(failure: tf.errors.OpError) -> tf.errors.OpError:
 
 
 class Link:
-    """The connection to one peer: a reading thread and a lock for sending.
+    """The connection to one peer: a reading thread, a lock for sending, and
+    a sending thread for `send_later` (started on first use, ended when the
+    link fails).
 
     Args:
       sock: the connected socket (its hello answered); the link owns it.
@@ -204,6 +206,8 @@ class Link:
             first = self._failure is None
             if first:
                 self._failure = failure
+                if self._outbox is not None:
+                    self._outbox.put(None)  # the sending thread ends after what was queued before
             self._state.notify_all()
         if first:
             for sock in (self._socket, self._sender):
@@ -280,6 +284,9 @@ class Link:
         not change until then."""
         sent = threading.Event()
         with self._state:
+            if self._failure is not None:
+                sent.set()  # nothing to send: `wait_sent` raises the failure
+                return sent
             if self._outbox is None:
                 self._outbox = queue.SimpleQueue()
                 threading.Thread(target=self._send_forever, name=f"tf_adasum sender ({self.name})", daemon=True).start()
@@ -288,7 +295,10 @@ class Link:
 
     def _send_forever(self) -> None:
         while True:
-            tag, payloads, what, sent = self._outbox.get()
+            job = self._outbox.get()
+            if job is None:  # the link failed (`fail`): nothing is queued after this
+                return
+            tag, payloads, what, sent = job
             try:
                 for payload in payloads:
                     self.send(tag, payload, what)

@@ -11,7 +11,8 @@ the memory the result lives in: one copy into the kernel and one out.
 `Mesh`: one process's connections to its peers, made on first use (the lower
 index connects, presenting the token of the peer's `Listener`, from
 `tf_adasum.comm.socket_listener`, which also keeps strangers at the door),
-each a `tf_adasum.comm.socket_link.Link` read by a thread of its own. A
+each a `tf_adasum.comm.socket_link.Link` read by a thread of its own (and
+written by another where the caller does not wait: `Mesh.exchange_in_pieces`). A
 message carries a 64-bit tag; the k-th message a peer sends with a tag fills
 the k-th receive posted for that tag, so messages match whatever order
 TensorFlow's threads run in. (`tf_adasum.comm.socket_communicator` builds the
@@ -269,6 +270,17 @@ class Pieces:
     def wait(self, k: int) -> np.ndarray:
         """The k-th received piece, once it is in."""
         return self.guard(lambda: self._link.wait(self._receives[k], self._deadline, self._what))
+
+    def abandon(self) -> None:
+        """Fails the link, whose receives for this exchange stay posted (its
+        step stopped before it waited for them all); raises that failure."""
+        raise self._link.fail(
+            transport_error(
+                tf.errors.AbortedError,
+                f"{self._what} never finished (its step stopped before every piece was received); "
+                "the transport must start over.",
+            )
+        )
 
     def finish(self) -> None:
         """Waits until every outgoing piece is sent."""

@@ -101,11 +101,14 @@ class Communicator(Protocol):
         only where every member lives in this process and the driver builds
         them all in one `allreduce` call. Every member must answer alike."""
 
-    # Optional, for a transport that moves the bytes itself (never direct):
+    # Optional, for a transport that moves the bytes itself (never direct;
+    # `tf_adasum.comm.socket_communicator.SocketCommunicator`):
     #
     # piece_bytes: int
-    #     > 0: each level's halves go through `swap_in_pieces` instead of
-    #     `swap_halves`, in messages of about this many bytes.
+    #     > 0: every level's swap goes through `swap_in_pieces` instead of
+    #     `swap_halves`, in messages of about this many bytes (one where the
+    #     half is smaller than two), and each level but the last combines its
+    #     slice as two halves, the one sent next first.
     #
     # def swap_in_pieces(self, send, partner, cuts) -> tuple[list[tf.Tensor], tf.Tensor]:
     #     Sends `send` ([m], this rank's half for `partner`) and receives the
@@ -124,11 +127,13 @@ class PairRule(Protocol):
         """Float64 per-tensor partial sums of the slices `a` and `b` (``[m]``
         each) that the driver sums over every rank holding a slice of these
         two subtrees (so that a rule may use whole-tensor dot products), or
-        None when the rule needs none."""
+        None when the rule needs none. Sums, so the driver may also compute
+        them over pieces of a slice and add those."""
 
     def combine(self, a: tf.Tensor, b: tf.Tensor, segments: Segments, partials: tf.Tensor | None) -> tf.Tensor:
         """Combines `a`, a slice of the left subtree's value, and `b`, the same
-        slice of the right subtree's (``[m]`` each); returns ``[m]``.
+        slice of the right subtree's (``[m]`` each); returns ``[m]``. Elementwise
+        given `partials`: the driver may combine a slice in pieces.
         `partials`: the sums of what `partials` returned, over the ranks
         holding these two subtrees (None where it returned None)."""
 
@@ -381,12 +386,12 @@ def allreduce(
         partner = {i: _real_rank(virtual[i] ^ bit, folded) for i in tree}
         upper = {i: int(bool(virtual[i] & bit)) for i in tree}  # also this rank's index in its pair
         outgoing = {}
-        for i in set(tree) - piecewise:
+        for i in (i for i in tree if i not in piecewise):  # in tree order: the order of the chained calls
             with tf.device(comms[i].device):
                 outgoing[i] = (tf.reshape(flats[i], [2, half]), partner[i])
         swapped = ranks.swap_halves(outgoing)
         pieces = {i: [(*swapped[i], None)] for i in swapped}
-        for i in piecewise:
+        for i in (i for i in tree if i in piecewise):
             with tf.device(comms[i].device):
                 lower_upper = halves.pop(i, None) or (flats[i][:half], flats[i][half:])
                 kept = lower_upper[upper[i]]
