@@ -95,23 +95,28 @@ ROLES = ("workers-worker", "mpi-rank")  # what the spawned processes run
 _PROVENANCE: dict = {}
 
 
+def _ms(value: float) -> str:
+    """Milliseconds to 3 significant digits, whole from 1,000 up."""
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
 #: The columns of `table`: (heading, how a record gives its cell).
 TABLE_COLUMNS = (
     ("engine", lambda r: r["engine"]),
     ("N", lambda r: str(r["replicas"])),
     ("buffer", lambda r: f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"),
-    ("adasum_ms", lambda r: f"{r['adasum_ms']:.3g}"),
-    ("native_ms", lambda r: f"{r['native_ms']:.3g}"),
+    ("adasum_ms", lambda r: _ms(r["adasum_ms"])),
+    ("native_ms", lambda r: _ms(r["native_ms"])),
     ("ratio", lambda r: f"{r['ratio']:.2f}"),
-    ("rvh_sum_ms", lambda r: f"{r['rvh_sum_ms']:.3g}"),
-    ("dots_ms", lambda r: f"{r['dots_ms']:.3g}"),
+    ("rvh_sum_ms", lambda r: _ms(r["rvh_sum_ms"])),
+    ("dots_ms", lambda r: _ms(r["dots_ms"])),
     ("ratio_to_floor", lambda r: f"{r['ratio_to_floor']:.2f}"),
 )
 
 
 #: The columns `table` adds for records with ``--compression``.
 COMPRESSED_COLUMNS = (
-    ("compressed_ms", lambda r: f"{r['compressed_ms']:.3g}"),
+    ("compressed_ms", lambda r: _ms(r["compressed_ms"])),
     ("ratio_compressed", lambda r: f"{r['ratio_compressed']:.2f}"),
 )
 
@@ -123,8 +128,8 @@ LINK_COLUMNS = (
     ("buffer", lambda r: f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"),
     ("link", lambda r: r["link"]),
     ("commit", lambda r: r["commit"]),
-    ("link_floor_ms", lambda r: f"{r['link_floor_ms']:.3g}"),
-    ("adasum_ms", lambda r: f"{r['adasum_ms']:.3g}"),
+    ("link_floor_ms", lambda r: _ms(r["link_floor_ms"])),
+    ("adasum_ms", lambda r: _ms(r["adasum_ms"])),
     ("ratio_to_link_floor", lambda r: f"{r['ratio_to_link_floor']:.2f}"),
     ("rvh_sum / floor", lambda r: f"{r['rvh_sum_ms'] / r['link_floor_ms']:.2f}"),
     ("native_ratio_to_link_floor", lambda r: f"{r['native_ratio_to_link_floor']:.2f}"),

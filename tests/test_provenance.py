@@ -66,20 +66,51 @@ def test_a_benchmark_record_carries_its_provenance():
 
 
 #: Benchmark tables in the guide and the committed records they are generated from.
-TABLES = [("docs/benchmarks/collective_mpi_loopback.jsonl", "docs/guide/benchmarks.md")]
+TABLES = [
+    ("docs/benchmarks/collective_loopback.jsonl", "docs/guide/benchmarks.md"),
+    ("docs/benchmarks/collective_sweep.jsonl", "docs/guide/benchmarks.md"),
+    ("docs/benchmarks/collective_compressed.jsonl", "docs/guide/benchmarks.md"),
+    ("docs/benchmarks/collective_mpi_loopback.jsonl", "docs/guide/benchmarks.md"),
+    ("docs/cluster/collective_links_pipelined.jsonl", "docs/guide/cluster.md"),
+]
+
+
+def _benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _records(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.mark.parametrize("records, page", TABLES)
 def test_a_benchmark_table_is_its_records(records, page):
     """The guide shows `collective.py --table` of the committed records, and
     every record names its date, commit, processor and command."""
-    spec = importlib.util.spec_from_file_location("collective", os.path.join(ROOT, "benchmarks", "collective.py"))
-    collective = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(collective)
-    with open(os.path.join(ROOT, records), encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    collective = _benchmark("collective")
+    rows = _records(records)
     assert rows and all({"date", "commit", "processor", "command"} <= set(r) for r in rows), records
     text = open(os.path.join(ROOT, page), encoding="utf-8").read()
     assert collective.table(rows) in text, f"{page} does not show the table of {records}"
     for row in rows:  # every command that made its rows, with its commit and date
         assert row["command"] in text and row["commit"] in text and row["date"][:10] in text, row["command"]
+
+
+def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
+    """The guide's fitted constants are `cost_model.fit` of the committed N sweep."""
+    cost_model = _benchmark("cost_model")
+    rows = _records("docs/benchmarks/collective_sweep.jsonl")
+    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    a, u, a_ring, u_ring = cost_model.fit([r for r in rows if r["engine"] == "workers"], 2)
+    quoted = (
+        f"the tree {a * 1e3:.2f} ms per message (`a`) and {1e-9 / u:.2f} GB/s",
+        f"the ring {a_ring * 1e3:.2f} ms per message (`a'`) and {1e-9 / u_ring:.2f} GB/s",
+    )
+    for figure in quoted:
+        assert figure in text, figure
+    local_latency, *_ = cost_model.fit([r for r in rows if r["engine"] == "local"], 2)
+    assert f"fit's latency, {local_latency * 1e6:.0f} µs" in text
