@@ -114,3 +114,28 @@ def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
         assert figure in text, figure
     local_latency, *_ = cost_model.fit([r for r in rows if r["engine"] == "local"], 2)
     assert f"fit's latency, {local_latency * 1e6:.0f} µs" in text
+
+
+def test_the_cluster_guides_link_tables_are_their_records():
+    """The 2026-12-06 tables of the collective against the link, each row of
+    both forms (ratios, milliseconds), as its record in
+    `docs/cluster/collective_links.jsonl` gives it. (Those records predate the
+    provenance fields; the guide names their commands and date.)"""
+    text = open(os.path.join(ROOT, "docs/guide/cluster.md"), encoding="utf-8").read()
+    names = {"workers": "worker processes", "mpi": "mpirun"}
+    rows = {}
+    for r in _records("docs/cluster/collective_links.jsonl"):
+        rows.setdefault((r["engine"], r["replicas"], r["link"]), {})[r["bytes"] >> 20] = r
+    assert len(rows) == 10, sorted(rows)
+    for (engine, n, _), by_size in rows.items():
+        small, large = by_size[16], by_size[64]
+        ratios = " | ".join(
+            f"{r['ratio_to_link_floor']:.2f}, {r['native_ratio_to_link_floor']:.2f}" for r in (small, large)
+        )
+        speedups = ", ".join(f"{r['adasum_ms'] / r['compressed_ms']:.2f}x" for r in (small, large))
+        assert f"| {names[engine]} | {n} | {ratios} | {speedups} |" in text, (engine, n, ratios, speedups)
+        ms = " | ".join(
+            ", ".join(f"{r[k]:.0f}" for k in ("link_floor_ms", "adasum_ms", "native_ms", "compressed_ms"))
+            for r in (small, large)
+        )
+        assert f"| {names[engine]} | {n} | {ms} |" in text, (engine, n, ms)
