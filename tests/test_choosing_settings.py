@@ -189,6 +189,16 @@ def figures(replicas, tables) -> list[str]:
         f"{speedups({'workers', 'mpi'}, '4gbit', {2, 4})} at 4 Gbit/s (N = 2 and 4)",
     ]
 
+    # The 16-bit wire on loopback.
+    loopback = _records("docs/benchmarks/collective_compressed.jsonl")
+    assert {r["compression"] for r in loopback} == {"float16"}
+    local = {r["replicas"]: f"{r['ratio_compressed']:.2f}x" for r in loopback if r["engine"] == "local"}
+    phrases.append(
+        f"The float16 wire was {_range([r['ratio_compressed'] for r in loopback if r['engine'] == 'workers'])} "
+        f"slower than full width across localhost worker processes, and {local[2]} (N = 2) and {local[4]} "
+        "(N = 4) slower on local devices"
+    )
+
     def floor(engine, field):
         return _range(
             [r[field] for r in links if r["engine"] == engine and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
@@ -227,10 +237,6 @@ def figures(replicas, tables) -> list[str]:
 
 #: Figures without committed records: the page quotes the guide sentence that reports them.
 CITED = {
-    "engines.md": [
-        "1.6-3.4x slower than full width across localhost worker processes",
-        "9.6x (N = 2) and 12.1x (N = 4) slower on local devices",
-    ],
     "adacons.md": ["momentum=0.99"],
 }
 

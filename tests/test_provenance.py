@@ -139,3 +139,18 @@ def test_the_cluster_guides_link_tables_are_their_records():
             for r in (small, large)
         )
         assert f"| {names[engine]} | {n} | {ms} |" in text, (engine, n, ms)
+
+
+def test_the_training_step_table_is_its_records():
+    """The guide's training-step ratios are the committed runs', in order."""
+    rows = _records("docs/benchmarks/optimizer_step.jsonl")
+    assert all({"date", "commit", "processor", "command"} <= set(r) for r in rows)
+    text = open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read()
+    for model, name in (("lenet5", "LeNet-5"), ("mlp10m", "10M MLP")):
+        ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r["model"] == model)
+        assert f"| {name} | {ratios} |" in text, (model, ratios)
+    assert rows[0]["command"] in text and rows[0]["date"][:10] in text
+    spans = {m: sorted(r["ratio"] for r in rows if r["model"] == m) for m in ("lenet5", "mlp10m")}
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    lenet, mlp = (f"{spans[m][0]:.2f}-{spans[m][-1]:.2f}x" for m in ("lenet5", "mlp10m"))
+    assert f"LeNet-5 {lenet}, a 10M-parameter MLP {mlp}" in readme, (lenet, mlp)
