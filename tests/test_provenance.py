@@ -154,3 +154,20 @@ def test_the_training_step_table_is_its_records():
     readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
     lenet, mlp = (f"{spans[m][0]:.2f}-{spans[m][-1]:.2f}x" for m in ("lenet5", "mlp10m"))
     assert f"LeNet-5 {lenet}, a 10M-parameter MLP {mlp}" in readme, (lenet, mlp)
+
+
+def test_the_soak_table_is_its_records():
+    """Each configuration's row is its `soak_summary` record (the worst
+    process), and every process ended with the same result."""
+    summaries = [r for r in _records("docs/benchmarks/soak.jsonl") if r["benchmark"] == "soak_summary"]
+    assert len(summaries) == 4 and all({"date", "commit", "processor", "command"} <= set(r) for r in summaries)
+    text = open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read()
+    for r in summaries:
+        assert r["same_result_everywhere"], r
+        row = (
+            f"| {r['engine']} | {r['processes']} | {r['combines_per_second']:.1f} | "
+            f"{r['threads_start']} → {r['threads_end']} | {r['rss_mib_start']:.1f} → {r['rss_mib_end']:.1f} | "
+            f"{r['max_rss_growth_mib_per_1000']:.2f}; {r['max_rss_growth_mib_per_1000_second_half']:.2f} |"
+        )
+        assert row in text, row
+    assert summaries[0]["command"] in text and summaries[0]["commit"] in text
