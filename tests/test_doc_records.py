@@ -1,0 +1,191 @@
+"""The guides' measured figures are their committed records: each test
+rebuilds a table (or the figures a paragraph quotes) from the JSON-lines
+records, formatted as the page formats them, and finds it in the page."""
+
+import importlib.util
+import json
+import os
+import statistics
+
+from tf_adasum.eval import metrics, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _records(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _section(page, start, end):
+    """The page's text from `start` to the next `end`, whitespace collapsed
+    (the guides wrap their paragraphs)."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        text = f.read()
+    first = text.index(start)
+    return " ".join(text[first : text.index(end, first + len(start))].split())
+
+
+def _listed(items):
+    """`1, 2 and 3`, as the guides list figures."""
+    items = [str(i) for i in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The resize table's rows: (combiner, schedule) -> the row's first two cells.
+RESIZE_ROWS = {
+    ("adasum", "fixed"): "Adasum, 8 fixed | unchanged",
+    ("adasum", "8-4-8"): "Adasum, 8-4-8 | unchanged",
+    ("keras", "fixed"): "averaging, 8 fixed | unchanged",
+    ("keras", "8-4-8"): "averaging, 8-4-8 | unchanged",
+    ("keras-linear", "8-4-8"): "averaging, 8-4-8 | scaled with the replicas (halved at 4)",
+}
+
+
+def test_the_resize_table_is_its_records():
+    """elastic.md's "What a resize changes": per row, each seed's epochs to
+    99.3% (a run that missed it ran the whole budget), their median (none
+    when a seed missed) and each seed's accuracy at the end; and the bullet's
+    count of seeds Adasum's 8-4-8 reached the target sooner than a fixed 8."""
+    rows = _records("docs/elastic/resize_accuracy.jsonl")
+    text = _section("docs/guide/elastic.md", "## What a resize changes", "\n## ")
+    target = 0.993
+    assert f"{100 * target:g}%" in text and rows[0]["commit"][:7] in text
+    assert all(r["date"] in text for r in rows), sorted({r["date"] for r in rows})
+    epochs = {}
+    for (combiner, schedule), cells in RESIZE_ROWS.items():
+        runs = [r for r in rows if (r["combiner"], r["schedule"]) == (combiner, schedule)]
+        runs.sort(key=lambda r: r["seed"])
+        assert [r["seed"] for r in runs] == [0, 1, 2], (combiner, schedule)
+        for r in runs:  # the recorded epochs are the curve's first at the target
+            reached = [e for e, a in enumerate(r["accuracy"], 1) if a >= target]
+            assert r["epochs_to_target"] == (reached[0] if reached else None), r
+        reached = [r["epochs_to_target"] for r in runs]
+        epochs[combiner, schedule] = reached
+        shown = ", ".join(str(e) if e else f"not within {len(r['accuracy'])}" for e, r in zip(reached, runs))
+        median = f"{statistics.median(reached):g}" if None not in reached else "-"
+        accuracy = ", ".join(f"{100 * r['accuracy'][-1]:.2f}" for r in runs)
+        row = f"| {cells} | {shown} | {median} | {accuracy}% |"
+        assert row in text, row
+    sooner = [a - b for a, b in zip(epochs["adasum", "fixed"], epochs["adasum", "8-4-8"]) if a > b]
+    assert set(sooner) == {1}, sooner
+    seeds = {1: "one seed", 2: "two seeds", 3: "three seeds"}[len(sooner)]
+    assert f"one epoch sooner for {seeds}" in text, seeds
+
+
+def test_the_chaos_run_is_its_record():
+    """elastic.md's chaos run: the schedule of kills, each round's size, the
+    batches redone, the accuracies, the wall times and that the weights are
+    the uninterrupted run's, bit for bit."""
+    (r,) = _records("docs/elastic/chaos.jsonl")
+    text = _section("docs/guide/elastic.md", "**The chaos run**", "\n## ")
+    chaos = _benchmark("elastic_chaos")
+    steps = chaos._steps(r["replicas"])
+    kills = [batch for _, _, batch, _ in r["schedule"]]
+    available = sorted({left for *_, left in r["schedule"]}, reverse=True)
+    rounds = r["chaos"]["round"] + 1
+    assert r["bitwise_equal"] and "the uninterrupted run's weights, bit for bit" in text
+    assert len(r["round_workers"]) == rounds and len(r["batches_redone"]) == len(kills)
+    assert all(0 <= n < r["save_freq"] for n in r["batches_redone"]), r["batches_redone"]
+    quoted = (
+        f"--epochs {r['epochs']} --kills {len(kills)}",
+        f"{r['date'][:10]}, commit `{r['commit'].split('+')[0]}`",
+        f"L = {r['replicas']} logical replicas of {chaos.BATCH_PER_REPLICA} examples "
+        f"(global batch {r['replicas'] * chaos.BATCH_PER_REPLICA}, {steps} batches an epoch)",
+        f"over {r['epochs']} epochs, on {r['workers']} `mpirun` ranks",
+        f"--logical-replicas {r['replicas']}",
+        f"save_freq={r['save_freq']}",
+        f"schedule of {len(kills)} SIGKILLs",
+        f"({', '.join(map(str, kills))} of {r['epochs'] * steps})",
+        f"leaving the discovery {' or '.join(map(str, available))} workers",
+        f"made {rounds} rounds of {_listed(r['round_workers'])} ranks",
+        f"at {100 * r['chaos']['test_accuracy']:.2f}% test accuracy "
+        f"(the uninterrupted run: {100 * r['reference']['test_accuracy']:.2f}%)",
+        f"redoing {_listed(r['batches_redone'])} batches after the kills",
+        f"below K = {r['save_freq']}",
+        f"{r['chaos']['wall_s']:.0f} s of wall time against {r['reference']['wall_s']:.0f} s uninterrupted "
+        f"({rounds} starts of TensorFlow in {r['workers']} processes",
+    )
+    for figure in quoted:
+        assert figure in text, figure
+
+
+def _paper_name(r):
+    method = summary.config_of(r).method
+    return method if r["local_steps"] == 1 else f"{method} K={r['local_steps']}"
+
+
+def test_the_per_replica_batch_sweep_tables_are_their_records():
+    """evaluation.md's per-replica-batch sweep: the epochs table (one row per
+    method, one column per effective batch; bold epochs, or the best accuracy
+    where the target was missed) and every run in detail, in record order."""
+    rows = _records("docs/eval_paper/results.jsonl")
+    text = _section("docs/guide/evaluation.md", "### Per-replica-batch sweep", "\n### ")
+    assert f"for the {len(rows)} runs" in text and rows[0]["date"][:10] in text
+    batches = sorted({r["effective_batch"] for r in rows})
+    by_name = {}
+    for r in rows:
+        by_name.setdefault(_paper_name(r), {})[r["effective_batch"]] = r
+    assert all(sorted(runs) == batches for runs in by_name.values()) and len(by_name) * len(batches) == len(rows)
+
+    def reached(r):
+        return r["epochs_until_convergence"] if r["epochs_until_convergence"] > 0 else f"not within {r['epochs']}"
+
+    header = " | ".join(f"eff. batch {b}" for b in batches)
+    assert f"Epochs to {100 * rows[0]['target']:g}%" in text and f"| combiner | {header} |" in text, header
+    for name, runs in by_name.items():
+        cells = (
+            f"**{runs[b]['epochs_until_convergence']}**"
+            if runs[b]["epochs_until_convergence"] > 0
+            else f"{reached(runs[b])} ({runs[b]['best_acc']:.4f})"
+            for b in batches
+        )
+        row = f"| {name} | {' | '.join(cells)} |"
+        assert row in text, row
+    for r in rows:
+        row = (
+            f"| {_paper_name(r)} | {r['effective_batch']} | {r['batch_per_replica']} x {r['local_steps']} | "
+            f"{reached(r)} | {r['minutes_per_epoch']:.2f} | {metrics.format_score(r['score'])} | "
+            f"{r['best_acc']:.4f} | {' '.join(f'{a:.4f}' for a in r['accuracy_per_epoch'])} |"
+        )
+        assert row in text, row
+
+
+def test_the_emulated_hosts_epochs_are_their_record():
+    """evaluation.md's "Epochs to target on the emulated hosts": the run's
+    epochs and accuracy per epoch, beside the simulated replica sweep's runs
+    of the same recipe at the same N (seed 0's epochs and best accuracy, the
+    other seeds' epochs)."""
+    (r,) = _records("docs/cluster/training_links_accuracy.jsonl")
+    text = _section("docs/guide/evaluation.md", "**Epochs to target on the emulated hosts**", "\n\n")
+    same = ("model", "combiner", "replicas", "batch_per_replica", "local_steps", "lr", "schedule", "target", "epochs")
+    sweep = sorted(
+        (s for s in _records("docs/eval_replicas/results.jsonl") if all(s.get(k) == r[k] for k in same)),
+        key=lambda s: s["seed"],
+    )
+    assert [s["seed"] for s in sweep] == [0, 1, 2], [s["seed"] for s in sweep]
+    first, others = sweep[0], sweep[1:]
+    assert first["epochs_until_convergence"] == r["epochs_until_convergence"] > 0  # "as ... did"
+    assert len({s["epochs_until_convergence"] for s in others}) == 1, others
+    quoted = (
+        f"{r['date'][:10]}",
+        f"{r['replicas']} replicas of {r['batch_per_replica']}",
+        f"over {r['epochs']} epochs, seed {r['seed']}",
+        f"as {r['replicas']} worker processes on {r['hosts']} emulated hosts",
+        f"--engine {r['engine']} --replicas {r['replicas']} --hosts {r['hosts']} --link {r['link']}",
+        f"reached {100 * r['target']:g}% in {r['epochs_until_convergence']} epochs "
+        f"({', '.join(f'{100 * a:.2f}' for a in r['accuracy_per_epoch'])}%)",
+        f"seed {first['seed']} at N = {r['replicas']} did ({first['epochs_until_convergence']} epochs, "
+        f"{100 * first['best_acc']:.2f}%; its seeds {_listed(s['seed'] for s in others)}: "
+        f"{others[0]['epochs_until_convergence']})",
+    )
+    for figure in quoted:
+        assert figure in text, figure
+    assert f"--hosts {r['hosts']} --link {r['link']}" in r["command"] and r["commit"]
