@@ -41,7 +41,8 @@ def _launch(n, tasks, out, timeout=600, **env):
 
 @pytest.mark.parametrize("n, compression", [(2, "float16"), (3, "bfloat16")])
 def test_compressed_collective_across_workers(n, compression, tmp_path):
-    _launch(n, "collective", tmp_path, TEST_COMPRESSION=compression)
+    # Swaps in pieces of 1 KiB of the wire format: several per level.
+    _launch(n, "collective", tmp_path, TEST_COMPRESSION=compression, TEST_PIECE_BYTES="1024")
     check_collective(tmp_path, n, compression)
     check_over_sockets(tmp_path, n)
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import TOLERANCE, relative_error
+from multiprocess import COMPRESSED_TOLERANCE
 
 from tf_adasum import combiners, reference
-from tf_adasum.comm import socket_communicator, socket_listener, sockets
+from tf_adasum.comm import compression, socket_communicator, socket_listener, sockets
 from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.tree import rvh
 
@@ -413,8 +414,8 @@ def test_a_message_larger_than_any_expected_waits_unread_for_its_receive(rng):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-@pytest.mark.parametrize("name", ["adasum", "sum"])
-def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, name, rng, monkeypatch):
+@pytest.mark.parametrize("name, wire", [("adasum", None), ("sum", None), ("adasum", "bfloat16"), ("sum", "float16")])
+def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, name, wire, rng, monkeypatch):
     # Pieces of 1 KiB: a level's half of the float32 bucket travels in 11 or 12
     # messages, each piece's partials computed as it comes (called twice); then
     # the same tree with whole halves (`swap_halves`), for comparison.
@@ -435,6 +436,7 @@ def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, 
         def run(rank):
             communicator = socket_communicator.SocketCommunicator(devices, rank, list(range(n)), meshes[rank])
             communicator.piece_bytes = piece_bytes
+            communicator = compression.compressed([communicator], wire)[0]  # unchanged for None
             with tf.device(devices[rank]):
                 values = [(tf.constant(x),) for x in inputs[rank]]
 
@@ -456,11 +458,12 @@ def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, 
     assert messages and max(messages) >= 11, messages
     per_rank = [[x.astype(np.float64) for x in rank] for rank in inputs]
     expected = reference.adasum_tree(per_rank) if name == "adasum" else [sum(xs) for xs in zip(*per_rank)]
+    tolerance = TOLERANCE["float32"] if wire is None else COMPRESSED_TOLERANCE[wire]
     for got, want in zip(results[0][0], expected):
-        assert relative_error(got, want) < TOLERANCE["float32"]
+        assert relative_error(got, want) < tolerance
     for rank, _ in results[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(rank, results[0][0]))
-    if name == "adasum":  # the first level's [a.b, |a|^2, |b|^2]: a is the lower rank's value, b the upper's
+    if name == "adasum" and wire is None:  # the first level's [a.b, |a|^2, |b|^2]: a the lower rank's, b the upper's
         for r in rvh.level_representatives(n)[0]:
             a, b = per_rank[r], per_rank[r + 1]
             want = [[np.vdot(x, y), np.vdot(x, x), np.vdot(y, y)] for x, y in zip(a, b)]

@@ -148,6 +148,24 @@ class Compressed:
         rows = self.comm.swap_halves(_encode(x, self.wire), partner)
         return tuple(_decode(row[None], x.dtype)[0] for row in rows)
 
+    @property
+    def piece_bytes(self) -> int:
+        """The wrapped transport's (0 where it swaps whole halves only)."""
+        return getattr(self.comm, "piece_bytes", 0)
+
+    def swap_in_pieces(self, send: tf.Tensor, keep: tf.Tensor, partner: int, cuts):
+        """The wrapped transport's `swap_in_pieces` on the wire format: cut
+        at the same blocks, each received piece widened as soon as it has
+        come; `keep` comes back widened from the wire format too, as
+        `swap_halves` returns its own row."""
+        if not self._compresses(send):
+            return self.comm.swap_in_pieces(send, keep, partner, cuts)
+        _, received, _ = self.comm.swap_in_pieces(
+            _encode(send[None], self.wire)[0], keep, partner, [_wire_length(c) for c in cuts]
+        )
+        pieces = [_decode(piece[None], send.dtype)[0] for piece in received]
+        return round_trip(keep[None], self.wire)[0], pieces, tf.concat(pieces, axis=0)
+
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         if not self._compresses(x):
             return self.comm.gather_pair(x, partner)

@@ -112,18 +112,21 @@ class SocketCommunicator:
             kept = x[me]
         return (kept, received) if me == 0 else (received, kept)
 
-    def swap_in_pieces(self, send: tf.Tensor, partner: int, cuts: Sequence[int]) -> tuple[list[tf.Tensor], tf.Tensor]:
+    def swap_in_pieces(
+        self, send: tf.Tensor, keep: tf.Tensor, partner: int, cuts: Sequence[int]
+    ) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor]:
         """Sends `send` (``[m]``, this rank's half for `partner`) while
         receiving the partner's half for this rank, both cut at the element
         offsets `cuts` (``0 < c_1 < ... < m``, possibly none) into messages of
         their own.
 
-        Returns ``(pieces, whole)``: the received half's pieces, each a tensor
-        as soon as it has come (work on one overlaps the transfer of the
-        rest), and the whole received half (``[m]``, the buffer the pieces
-        were received into), complete once every piece of `send` is sent too.
-        One call on the mesh's chain per piece (the last piece is a slice of
-        the whole)."""
+        Returns ``(kept, pieces, whole)``: `keep` (``[m]``, the half this rank
+        keeps, unchanged here); the received half's pieces, each a tensor as
+        soon as it has come (work on one overlaps the transfer of the rest);
+        and the whole received half (``[m]``, the buffer the pieces were
+        received into), complete once every piece of `send` is sent too. One
+        call on the mesh's chain per piece (the last piece is a slice of the
+        whole)."""
         peer, tag, what = self._processes[partner], self._tag(partner), self._what("swap_in_pieces", partner)
         m, size = send.shape[0], send.dtype.size
         bounds = [(start * size, end * size) for start, end in zip([0, *cuts], [*cuts, m])]
@@ -182,7 +185,7 @@ class SocketCommunicator:
         else:
             whole = first
         with tf.device(self.device):
-            return [_from_bytes(piece, send.dtype) for piece in received], _from_bytes(whole, send.dtype)
+            return keep, [_from_bytes(piece, send.dtype) for piece in received], _from_bytes(whole, send.dtype)
 
     def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
         me, peer, tag = (0 if self.rank < partner else 1), self._processes[partner], self._tag(partner)

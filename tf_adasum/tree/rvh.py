@@ -110,11 +110,12 @@ class Communicator(Protocol):
     #     half is smaller than two), and each level but the last combines its
     #     slice as two halves, the one sent next first.
     #
-    # def swap_in_pieces(self, send, partner, cuts) -> tuple[list[tf.Tensor], tf.Tensor]:
+    # def swap_in_pieces(self, send, keep, partner, cuts) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor]:
     #     Sends `send` ([m], this rank's half for `partner`) and receives the
     #     partner's half for this rank, both cut at the element offsets `cuts`;
-    #     returns the received pieces, each as soon as it has come, and the
-    #     whole received half ([m]).
+    #     returns `keep` (the half this rank keeps) as its peers would see it
+    #     had it travelled, the received pieces, each as soon as it has come,
+    #     and the whole received half ([m]).
 
 
 class PairRule(Protocol):
@@ -394,9 +395,10 @@ def allreduce(
         for i in (i for i in tree if i in piecewise):
             with tf.device(comms[i].device):
                 lower_upper = halves.pop(i, None) or (flats[i][:half], flats[i][half:])
-                kept = lower_upper[upper[i]]
-                cuts = _cuts(half, kept.dtype.size, comms[i].piece_bytes)
-                received, whole = comms[i].swap_in_pieces(lower_upper[1 - upper[i]], partner[i], cuts)
+                cuts = _cuts(half, flats[i].dtype.size, comms[i].piece_bytes)
+                kept, received, whole = comms[i].swap_in_pieces(
+                    lower_upper[1 - upper[i]], lower_upper[upper[i]], partner[i], cuts
+                )
                 kept_pieces = [kept[start:end] for start, end in zip([0, *cuts], [*cuts, half])]
             ordered = zip(kept_pieces, received) if upper[i] == 0 else zip(received, kept_pieces)
             swapped[i] = (kept, whole) if upper[i] == 0 else (whole, kept)
