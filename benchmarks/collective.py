@@ -140,9 +140,15 @@ def table(records: list[dict]) -> str:
     """The Markdown table of records, one row per record in order, as the
     benchmarks guide shows it (``--table FILE`` prints it): `TABLE_COLUMNS`
     on loopback, with the compressed wire's columns where every record has
-    them; `LINK_COLUMNS` where every record was taken on emulated links."""
+    them; `LINK_COLUMNS` where every record was taken on emulated links (and
+    the compressed wire's ratio to the floor where every record has it)."""
     if records and all("link" in r for r in records):
-        columns = LINK_COLUMNS
+        compressed = all("compressed_ms" in r for r in records)
+        columns = LINK_COLUMNS + (
+            (("compressed_ratio_to_link_floor", lambda r: f"{r['compressed_ratio_to_link_floor']:.2f}"),)
+            if compressed
+            else ()
+        )
     else:
         columns = TABLE_COLUMNS + (COMPRESSED_COLUMNS if all("compressed_ms" in r for r in records) else ())
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]

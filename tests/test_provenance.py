@@ -72,6 +72,7 @@ TABLES = [
     ("docs/benchmarks/collective_compressed.jsonl", "docs/guide/benchmarks.md"),
     ("docs/benchmarks/collective_mpi_loopback.jsonl", "docs/guide/benchmarks.md"),
     ("docs/cluster/collective_links_pipelined.jsonl", "docs/guide/cluster.md"),
+    ("docs/cluster/collective_links_compressed_pipelined.jsonl", "docs/guide/cluster.md"),
 ]
 
 
