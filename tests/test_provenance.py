@@ -172,3 +172,33 @@ def test_the_soak_table_is_its_records():
         )
         assert row in text, row
     assert summaries[0]["command"] in text and summaries[0]["commit"] in text
+
+
+def _span(values, unit=""):
+    return f"{min(values):.2f}-{max(values):.2f}{unit}"
+
+
+def test_the_collectives_prose_quotes_its_records():
+    """The ranges the benchmarks guide quotes beside its loopback tables are
+    the records' own."""
+    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    loopback = _records("docs/benchmarks/collective_loopback.jsonl")
+    assert f"about half its floor ({_span([r['ratio_to_floor'] for r in loopback])})" in text
+    sweep = _records("docs/benchmarks/collective_sweep.jsonl")
+    assert f"within {_span([r['ratio_to_floor'] for r in sweep])} of its floor" in text
+    local_1mib = [r["ratio"] for r in sweep if r["engine"] == "local" and r["bytes"] == 1 << 20]
+    assert f"on 2-16 local devices ({_span(local_1mib, 'x')})" in text
+    large = {
+        engine: [r["ratio"] for r in sweep if r["engine"] == engine and r["bytes"] >= 16 << 20]
+        for engine in ("local", "workers")
+    }
+    assert f"costs {_span(large['local'], 'x')} the ring on local devices and {_span(large['workers'], 'x')}" in text
+    compressed = _records("docs/benchmarks/collective_compressed.jsonl")
+    workers = [r["ratio_compressed"] for r in compressed if r["engine"] == "workers"]
+    local = {r["replicas"]: f"{r['ratio_compressed']:.2f}x" for r in compressed if r["engine"] == "local"}
+    assert f"the float16 wire was {_span(workers, 'x')} slower than full width; on local devices {local[2]}" in text
+    assert f"and {local[4]} (N = 4)" in text
+    engines = " ".join(open(os.path.join(ROOT, "docs/guide/engines.md"), encoding="utf-8").read().split())
+    across = [r["ratio"] for r in loopback if r["engine"] == "workers"]
+    assert f"over this transport takes {_span(across, 'x')} the time of the strategy's own all-reduce" in engines
+    assert f"made Adasum {_span(workers, 'x')} slower than full width" in engines
