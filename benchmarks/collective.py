@@ -121,11 +121,9 @@ COMPRESSED_COLUMNS = (
 )
 
 
-#: The columns of `table` for records of emulated links (``--link``).
-LINK_COLUMNS = (
-    ("engine", lambda r: r["engine"]),
-    ("N", lambda r: str(r["replicas"])),
-    ("buffer", lambda r: f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"),
+#: The columns of `table` for records of emulated links (``--link``): the
+#: loopback table's first three (engine, N, buffer), then these.
+LINK_COLUMNS = TABLE_COLUMNS[:3] + (
     ("link", lambda r: r["link"]),
     ("commit", lambda r: r["commit"]),
     ("link_floor_ms", lambda r: _ms(r["link_floor_ms"])),
@@ -135,6 +133,9 @@ LINK_COLUMNS = (
     ("native_ratio_to_link_floor", lambda r: f"{r['native_ratio_to_link_floor']:.2f}"),
 )
 
+#: The column `table` adds to `LINK_COLUMNS` for records with ``--compression``.
+LINK_COMPRESSED_COLUMNS = (("compressed_ratio_to_link_floor", lambda r: f"{r['compressed_ratio_to_link_floor']:.2f}"),)
+
 
 def table(records: list[dict]) -> str:
     """The Markdown table of records, one row per record in order, as the
@@ -142,15 +143,12 @@ def table(records: list[dict]) -> str:
     on loopback, with the compressed wire's columns where every record has
     them; `LINK_COLUMNS` where every record was taken on emulated links (and
     the compressed wire's ratio to the floor where every record has it)."""
-    if records and all("link" in r for r in records):
-        compressed = all("compressed_ms" in r for r in records)
-        columns = LINK_COLUMNS + (
-            (("compressed_ratio_to_link_floor", lambda r: f"{r['compressed_ratio_to_link_floor']:.2f}"),)
-            if compressed
-            else ()
-        )
-    else:
-        columns = TABLE_COLUMNS + (COMPRESSED_COLUMNS if all("compressed_ms" in r for r in records) else ())
+    linked = bool(records) and all("link" in r for r in records)
+    columns, compressed_columns = (
+        (LINK_COLUMNS, LINK_COMPRESSED_COLUMNS) if linked else (TABLE_COLUMNS, COMPRESSED_COLUMNS)
+    )
+    if all("compressed_ms" in r for r in records):
+        columns += compressed_columns
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in records]
     return "\n".join(lines) + "\n"

@@ -4,10 +4,11 @@
 gather, a level's float64 partial sums, a fold's send or receive) is one
 ``tf.numpy_function``, and a swap one per piece (`swap_in_pieces`), that
 sends from the tensor's memory and receives into the result's (bytes,
-whatever the dtype: tensors travel bitcast to uint8). `sum_steps` says whom a partial sum talks to. Each step tells the
-mesh the size of the message it receives (`Mesh.allow`: when it is built, if
-the shape is known, and when it runs), so a message arriving before its
-receive is buffered only up to the largest size of the agreed layout.
+whatever the dtype: tensors travel bitcast to uint8). `sum_steps` says whom
+a partial sum talks to. Each step tells the mesh the size of the message it
+receives (`Mesh.allow`: when it is built, if the shape is known, and when it
+runs), so a message arriving before its receive is buffered only up to the
+largest size of the agreed layout.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ class SocketCommunicator:
     For trees whose ranks sit on CPUs, no two of one tree in the same process
     (a process may hold one rank of each of several trees). Each step's
     ``tf.numpy_function`` calls are on the mesh's chain, so every process
-    issues them in the same order; each message's tag is a pair of collective keys drawn from
-    `tf_adasum.comm.collective_keys.KEYS` (the pair's group key and this device's
-    next instance key in it), identical on both members of a pair.
+    issues them in the same order; each message's tag is a pair of
+    collective keys drawn from `tf_adasum.comm.collective_keys.KEYS` (the
+    pair's group key and this device's next instance key in it), identical
+    on both members of a pair.
 
     A swap travels in pieces of about `PIECE_BYTES` (`swap_in_pieces`), each
     a tensor as soon as it has come.
