@@ -189,3 +189,38 @@ def test_the_emulated_hosts_epochs_are_their_record():
     for figure in quoted:
         assert figure in text, figure
     assert f"--hosts {r['hosts']} --link {r['link']}" in r["command"] and r["commit"]
+
+
+def test_the_recovery_table_is_its_records():
+    """elastic.md's "Measured": one row per signal and K (the cold start, the
+    recovery's median and range, its ratio to the cold start and the batches
+    each kill cost) from `benchmarks/elastic.py`'s records, with the command,
+    date, commit and processor they name, and the figures its bullets quote."""
+    rows = _records("docs/elastic/recovery.jsonl")
+    text = _section("docs/guide/elastic.md", "## Measured", "\n## ")
+    assert rows and len({r["command"] for r in rows}) == 1, [r["command"] for r in rows]
+    first = rows[0]
+    assert f"`{first['command']}`" in text and first["commit"] in text and first["date"][:10] in text
+    assert first["processor"].replace(", ", " with ") in text
+    for r in rows:
+        recovery = r["recovery_s"]
+        assert len(recovery) == r["kills"] and r["recovery_median_s"] == round(statistics.median(recovery), 2)
+        row = (
+            f"| {r['signal']} | {r['save_freq']} | {r['cold_start_s']:.1f} s | {r['recovery_median_s']:.1f} s "
+            f"({min(recovery):.1f}-{max(recovery):.1f}) | {r['ratio_to_cold_start']:.2f} | "
+            f"{', '.join(map(str, r['batches_redone']))} |"
+        )
+        assert row in text, row
+        if r["signal"] == "SIGTERM":  # a notice backs up the batch in progress
+            assert set(r["batches_redone"]) == {0}, r
+        else:  # a kill costs the batches since the last backup
+            assert all(0 <= n < r["save_freq"] for n in r["batches_redone"]), r
+    extra = {
+        s: [r["recovery_median_s"] - r["cold_start_s"] for r in rows if r["signal"] == s]
+        for s in ("SIGKILL", "SIGTERM")
+    }
+    kill, (notice,) = extra["SIGKILL"], extra["SIGTERM"]
+    assert f"After a SIGKILL, recovery is a cold start plus about {min(kill):.0f}-{max(kill):.0f} s" in text, kill
+    assert f"After SIGTERM it is a cold start plus {notice:.1f} s" in text, notice
+    cold = [r["cold_start_s"] for r in rows]
+    assert f"the cold start ({min(cold):.1f}-{max(cold):.1f} s here)" in text, cold
