@@ -115,6 +115,10 @@ def test_the_chaos_run_is_its_record():
     )
     for figure in quoted:
         assert figure in text, figure
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    accuracy = f"{100 * r['chaos']['test_accuracy']:.2f}%"
+    assert f"{len(kills)} SIGKILLs: bitwise the uninterrupted run, {accuracy})" in readme, accuracy
 
 
 def _paper_name(r):

@@ -213,7 +213,6 @@ PREDATING_PROVENANCE = {
     "docs/cluster/collective_links.jsonl": {"date", "commit", "processor", "command"},
     "docs/cluster/training_links.jsonl": {"processor extension"},
     "docs/cluster/training_links_accuracy.jsonl": {"processor extension"},
-    "docs/elastic/chaos.jsonl": {"command", "processor extension", "clean commit"},
     "docs/elastic/resize_accuracy.jsonl": {"command", "processor extension", "clean commit"},
     "docs/eval_edge/lamb_recipe.jsonl": {"processor"},
     "docs/eval_edge/results.jsonl": {"commit", "processor", "command"},
