@@ -71,6 +71,7 @@ TABLES = [
     ("docs/benchmarks/collective_sweep.jsonl", "docs/guide/benchmarks.md"),
     ("docs/benchmarks/collective_compressed.jsonl", "docs/guide/benchmarks.md"),
     ("docs/benchmarks/collective_mpi_loopback.jsonl", "docs/guide/benchmarks.md"),
+    ("docs/benchmarks/collective_tf_collective_ops.jsonl", "docs/guide/benchmarks.md"),
     ("docs/cluster/collective_links_pipelined.jsonl", "docs/guide/cluster.md"),
     ("docs/cluster/collective_links_compressed_pipelined.jsonl", "docs/guide/cluster.md"),
 ]
@@ -115,6 +116,29 @@ def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
         assert figure in text, figure
     local_latency, *_ = cost_model.fit([r for r in rows if r["engine"] == "local"], 2)
     assert f"fit's latency, {local_latency * 1e6:.0f} µs" in text
+
+
+def test_the_cost_models_extrapolations_are_its_fits():
+    """The Adasum/ring ratios the guide quotes, one replica per machine, from
+    the fits to the committed N sweep (at 1, 16 and 64 MiB unless it names a size)."""
+    cost_model = _benchmark("cost_model")
+    rows = _records("docs/benchmarks/collective_sweep.jsonl")
+    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    fitted = {engine: cost_model.fit([r for r in rows if r["engine"] == engine], 2) for engine in ("workers", "local")}
+
+    def ratios(engine, replicas, sizes=(1, 16, 64)):
+        predicted = [cost_model.predict(fitted[engine], n, mib << 20, None) for n in replicas for mib in sizes]
+        return _span([tree / ring for tree, ring in predicted], "x")
+
+    quoted = (
+        f"Adasum's tree costs {ratios('workers', [4], (16, 64))} TensorFlow's CPU ring at N = 4, "
+        f"{ratios('workers', [16], (16, 64))} at N = 16 (16 and 64 MiB), {ratios('workers', [64])} at N = 64 "
+        f"and {ratios('workers', [1024])} at N = 1,024",
+        f"N = 3 (a fold: two whole buffers more) is the worst case, {ratios('workers', [3])}.",
+        f"the tree at {ratios('local', [4, 8, 16])} the ring for N = 4-16 ({ratios('local', [3])} at N = 3)",
+    )
+    for figure in quoted:
+        assert figure in text, figure
 
 
 def test_the_cluster_guides_link_tables_are_their_records():
@@ -198,6 +222,16 @@ def test_the_collectives_prose_quotes_its_records():
     local = {r["replicas"]: f"{r['ratio_compressed']:.2f}x" for r in compressed if r["engine"] == "local"}
     assert f"the float16 wire was {_span(workers, 'x')} slower than full width; on local devices {local[2]}" in text
     assert f"and {local[4]} (N = 4)" in text
+    over = {True: {}, False: {}}  # over TF collective ops, or the socket transport: N -> ratio_to_floor
+    for r in _records("docs/benchmarks/collective_tf_collective_ops.jsonl"):
+        over[r["command"].startswith("TF_ADASUM_WORKER_TRANSPORT=collective ")][r["replicas"]] = r["ratio_to_floor"]
+    tf_ops, sockets = over[True], over[False]
+    assert (
+        f"Over TensorFlow's collective ops Adasum took {tf_ops[2]:.2f} (N = 2) and {tf_ops[4]:.2f} (N = 4) "
+        f"times its floor, with the socket transport {sockets[2]:.2f} and {sockets[4]:.2f}" in text
+    ), over
+    design = " ".join(open(os.path.join(ROOT, "docs/guide/design.md"), encoding="utf-8").read().split())
+    assert f"Adasum is still at {tf_ops[2]:.2f} and {tf_ops[4]:.2f} times its floor" in design, tf_ops
     engines = " ".join(open(os.path.join(ROOT, "docs/guide/engines.md"), encoding="utf-8").read().split())
     across = [r["ratio"] for r in loopback if r["engine"] == "workers"]
     assert f"over this transport takes {_span(across, 'x')} the time of the strategy's own all-reduce" in engines
