@@ -74,6 +74,7 @@ TABLES = [
     ("docs/benchmarks/collective_tf_collective_ops.jsonl", "docs/guide/benchmarks.md"),
     ("docs/cluster/collective_links_pipelined.jsonl", "docs/guide/cluster.md"),
     ("docs/cluster/collective_links_compressed_pipelined.jsonl", "docs/guide/cluster.md"),
+    ("docs/cluster/collective_links_pipelined_avx512.jsonl", "docs/guide/cluster.md"),
 ]
 
 
@@ -288,3 +289,62 @@ def test_every_committed_record_names_its_date_commit_processor_and_command():
     assert found, "no records under docs/"
     lacking = {path: fields for path, fields in found.items() if fields}
     assert lacking == PREDATING_PROVENANCE
+
+
+def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
+    """The bullets beside the table of the pipelined trees on the AVX-512
+    processor: its ranges per engine, N and link, and the 2026-12-06
+    non-pipelined rows they are compared with."""
+    text = " ".join(open(os.path.join(ROOT, "docs/guide/cluster.md"), encoding="utf-8").read().split())
+    rows = _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    before = _records("docs/cluster/collective_links.jsonl")
+
+    def ratios(records, key="ratio_to_link_floor", unit="", **match):
+        return _span([r[key] for r in records if all(r[k] in v for k, v in match.items())], unit)
+
+    one, four, two_four = ("1gbit",), ("4gbit",), (2, 4)
+    quoted = (
+        f"worker processes {ratios(rows, link=one, replicas=(2,), engine=('workers',))}, "
+        f"MPI {ratios(rows, link=one, replicas=(2,), engine=('mpi',))}",
+        f"MPI at 64 MiB is within it ({ratios(rows, link=one, replicas=(4,), engine=('mpi',), bytes=(64 << 20,))}",
+        f"MPI at 16 MiB ({ratios(rows, link=one, replicas=(4,), engine=('mpi',), bytes=(16 << 20,))}",
+        f"the worker processes ({ratios(rows, link=one, replicas=(4,), engine=('workers',))}) are not",
+        f"Adasum {ratios(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('workers',))} the floor on the "
+        f"worker transport and {ratios(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('mpi',))} under MPI, "
+        f"the native all-reduce {ratios(rows, 'native_ratio_to_link_floor', 'x', replicas=(8,))}",
+        f"took {ratios(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('workers',))} and "
+        f"{ratios(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('mpi',))}",
+        f"**4 Gbit/s**: {ratios(rows, 'ratio_to_link_floor', 'x', link=four)} the floor, the native all-reduce "
+        f"{ratios(rows, 'native_ratio_to_link_floor', 'x', link=four)}",
+        f"the non-pipelined trees took {ratios(before, 'ratio_to_link_floor', 'x', link=four, replicas=two_four)}",
+        f"took {_span([r['rvh_sum_ms'] / r['link_floor_ms'] for r in rows if r['link'] == '4gbit'], 'x')} "
+        "(`rvh_sum / floor`)",
+    )
+    for figure in quoted:
+        assert figure in text, figure
+
+
+def test_the_readmes_cluster_figures_are_the_pipelined_records():
+    """The README's 1 Gbit/s line: every row of the pipelined trees at N = 2
+    and 4 (the worker rows before the pipelining, commit 7962123, left out),
+    and the bfloat16 wire's speed-up of 2026-12-06 at N = 2 and 4."""
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    rows = _records("docs/cluster/collective_links_pipelined.jsonl")
+    rows += _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    after = [r for r in rows if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
+    runs = {(r["command"], r["commit"], r["date"][:16]) for r in after}
+    processors = {r["processor"] for r in after}
+    count = {1: "one", 2: "two", 3: "three"}[len(processors)]
+    ahead = [r for r in after if r["ratio_to_link_floor"] < r["native_ratio_to_link_floor"]]
+    behind = max(r["ratio_to_link_floor"] - r["native_ratio_to_link_floor"] for r in after)
+    ratios = {n: _span([r["ratio_to_link_floor"] for r in after if r["replicas"] == n], "x") for n in (2, 4)}
+    before = [r for r in _records("docs/cluster/collective_links.jsonl") if r["link"] == "1gbit" and r["replicas"] < 8]
+    quoted = (
+        f"({after[0]['date'][:10]}, {len(after)} rows of {len(runs)} runs on {count} processors)",
+        f"Adasum took {ratios[2]} the link floor 2(N-1)/N x S / B at N = 2 and {ratios[4]} at N = 4",
+        f"ahead of the native all-reduce ({_span([r['native_ratio_to_link_floor'] for r in after], 'x')}) in "
+        f"{len(ahead)} rows and at most {behind:.2f} behind it in the others",
+        f"the bfloat16 wire cut its time {_span([r['adasum_ms'] / r['compressed_ms'] for r in before], 'x')}",
+    )
+    for figure in quoted:
+        assert figure in readme, figure
