@@ -91,6 +91,14 @@ def _records(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _page(path, collapse=True):
+    """A page's text, its whitespace collapsed (the guides wrap their
+    paragraphs) unless `collapse` is false."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        text = f.read()
+    return " ".join(text.split()) if collapse else text
+
+
 @pytest.mark.parametrize("records, page", TABLES)
 def test_a_benchmark_table_is_its_records(records, page):
     """The guide shows `collective.py --table` of the committed records, and
@@ -98,7 +106,7 @@ def test_a_benchmark_table_is_its_records(records, page):
     collective = _benchmark("collective")
     rows = _records(records)
     assert rows and all({"date", "commit", "processor", "command"} <= set(r) for r in rows), records
-    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    text = _page(page, collapse=False)
     assert collective.table(rows) in text, f"{page} does not show the table of {records}"
     for row in rows:  # every command that made its rows, with its commit and date
         assert row["command"] in text and row["commit"] in text and row["date"][:10] in text, row["command"]
@@ -108,7 +116,7 @@ def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
     """The guide's fitted constants are `cost_model.fit` of the committed N sweep."""
     cost_model = _benchmark("cost_model")
     rows = _records("docs/benchmarks/collective_sweep.jsonl")
-    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    text = _page("docs/guide/benchmarks.md")
     a, u, a_ring, u_ring = cost_model.fit([r for r in rows if r["engine"] == "workers"], 2)
     quoted = (
         f"the tree {a * 1e3:.2f} ms per message (`a`) and {1e-9 / u:.2f} GB/s",
@@ -125,7 +133,7 @@ def test_the_cost_models_extrapolations_are_its_fits():
     the fits to the committed N sweep (at 1, 16 and 64 MiB unless it names a size)."""
     cost_model = _benchmark("cost_model")
     rows = _records("docs/benchmarks/collective_sweep.jsonl")
-    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    text = _page("docs/guide/benchmarks.md")
     fitted = {engine: cost_model.fit([r for r in rows if r["engine"] == engine], 2) for engine in ("workers", "local")}
 
     def ratios(engine, replicas, sizes=(1, 16, 64)):
@@ -148,7 +156,7 @@ def test_the_cluster_guides_link_tables_are_their_records():
     both forms (ratios, milliseconds), as its record in
     `docs/cluster/collective_links.jsonl` gives it. (Those records predate the
     provenance fields; the guide names their commands and date.)"""
-    text = open(os.path.join(ROOT, "docs/guide/cluster.md"), encoding="utf-8").read()
+    text = _page("docs/guide/cluster.md", collapse=False)
     names = {"workers": "worker processes", "mpi": "mpirun"}
     rows = {}
     for r in _records("docs/cluster/collective_links.jsonl"):
@@ -172,13 +180,13 @@ def test_the_training_step_table_is_its_records():
     """The guide's training-step ratios are the committed runs', in order."""
     rows = _records("docs/benchmarks/optimizer_step.jsonl")
     assert all({"date", "commit", "processor", "command"} <= set(r) for r in rows)
-    text = open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read()
+    text = _page("docs/guide/benchmarks.md", collapse=False)
     for model, name in (("lenet5", "LeNet-5"), ("mlp10m", "10M MLP")):
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r["model"] == model)
         assert f"| {name} | {ratios} |" in text, (model, ratios)
     assert rows[0]["command"] in text and rows[0]["date"][:10] in text
     spans = {m: sorted(r["ratio"] for r in rows if r["model"] == m) for m in ("lenet5", "mlp10m")}
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    readme = _page("README.md")
     lenet, mlp = (f"{spans[m][0]:.2f}-{spans[m][-1]:.2f}x" for m in ("lenet5", "mlp10m"))
     assert f"LeNet-5 {lenet}, a 10M-parameter MLP {mlp}" in readme, (lenet, mlp)
 
@@ -188,7 +196,7 @@ def test_the_soak_table_is_its_records():
     process), and every process ended with the same result."""
     summaries = [r for r in _records("docs/benchmarks/soak.jsonl") if r["benchmark"] == "soak_summary"]
     assert len(summaries) == 4 and all({"date", "commit", "processor", "command"} <= set(r) for r in summaries)
-    text = open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read()
+    text = _page("docs/guide/benchmarks.md", collapse=False)
     for r in summaries:
         assert r["same_result_everywhere"], r
         row = (
@@ -207,7 +215,7 @@ def _span(values, unit=""):
 def test_the_collectives_prose_quotes_its_records():
     """The ranges the benchmarks guide quotes beside its loopback tables are
     the records' own."""
-    text = " ".join(open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read().split())
+    text = _page("docs/guide/benchmarks.md")
     loopback = _records("docs/benchmarks/collective_loopback.jsonl")
     assert f"about half its floor ({_span([r['ratio_to_floor'] for r in loopback])})" in text
     sweep = _records("docs/benchmarks/collective_sweep.jsonl")
@@ -232,9 +240,9 @@ def test_the_collectives_prose_quotes_its_records():
         f"Over TensorFlow's collective ops Adasum took {tf_ops[2]:.2f} (N = 2) and {tf_ops[4]:.2f} (N = 4) "
         f"times its floor, with the socket transport {sockets[2]:.2f} and {sockets[4]:.2f}" in text
     ), over
-    design = " ".join(open(os.path.join(ROOT, "docs/guide/design.md"), encoding="utf-8").read().split())
+    design = _page("docs/guide/design.md")
     assert f"Adasum is still at {tf_ops[2]:.2f} and {tf_ops[4]:.2f} times its floor" in design, tf_ops
-    engines = " ".join(open(os.path.join(ROOT, "docs/guide/engines.md"), encoding="utf-8").read().split())
+    engines = _page("docs/guide/engines.md")
     across = [r["ratio"] for r in loopback if r["engine"] == "workers"]
     assert f"over this transport takes {_span(across, 'x')} the time of the strategy's own all-reduce" in engines
     assert f"made Adasum {_span(workers, 'x')} slower than full width" in engines
@@ -291,7 +299,7 @@ def test_every_committed_record_names_its_date_commit_processor_and_command():
     lacking = {path: fields for path, fields in found.items() if fields}
     assert lacking == PREDATING_PROVENANCE
     # The benchmarks guide lists the same files (a glob may name several).
-    text = open(os.path.join(ROOT, "docs/guide/benchmarks.md"), encoding="utf-8").read()
+    text = _page("docs/guide/benchmarks.md", collapse=False)
     start = text.index("**Records made before their provenance fields.**")
     named = set(re.findall(r"`(docs/[^`]+\.jsonl)`", text[start : text.index("\nProcess engines", start)]))
     assert all(any(fnmatch.fnmatch(path, name) for name in named) for path in lacking), (sorted(lacking), named)
@@ -302,7 +310,7 @@ def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
     """The bullets beside the table of the pipelined trees on the AVX-512
     processor: its ranges per engine, N and link, and the 2026-12-06
     non-pipelined rows they are compared with."""
-    text = " ".join(open(os.path.join(ROOT, "docs/guide/cluster.md"), encoding="utf-8").read().split())
+    text = _page("docs/guide/cluster.md")
     rows = _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     before = _records("docs/cluster/collective_links.jsonl")
 
@@ -336,7 +344,7 @@ def test_the_readmes_cluster_figures_are_the_pipelined_records():
     """The README's 1 Gbit/s line: every row of the pipelined trees at N = 2
     and 4 (the worker rows before the pipelining, commit 7962123, left out),
     and the bfloat16 wire's speed-up of 2026-12-06 at N = 2 and 4."""
-    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    readme = _page("README.md")
     rows = _records("docs/cluster/collective_links_pipelined.jsonl")
     rows += _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     after = [r for r in rows if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
