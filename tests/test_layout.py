@@ -21,6 +21,8 @@ LAYERS = {
     "ops": 1,
     "combiners": 2,
     "tree.buckets": 2.75,  # over ops: below the tree
+    "tree.topology": 2.75,  # which ranks meet at which level (over reference): below the tree
+    "tree.exchanges": 2.875,  # how one process's ranks reach their partners: over tree.topology
     "tree.rvh": 3,
     "comm.cluster": 2.5,  # reads device strings and cluster specs: below every transport
     "comm.collective": 3,  # over comm.cluster and comm.collective_keys

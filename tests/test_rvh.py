@@ -1,5 +1,6 @@
-"""The vector-halving driver (`tf_adasum.tree.rvh`) and its buckets
-(`tf_adasum.tree.buckets`): bucket layout, rank groups, and bytes on the wire."""
+"""The vector-halving driver (`tf_adasum.tree.rvh`), its rank groups
+(`tf_adasum.tree.topology`) and its buckets (`tf_adasum.tree.buckets`): bucket
+layout, rank groups, and bytes on the wire."""
 
 import os
 
@@ -13,7 +14,7 @@ from tf_adasum import combiners, reference
 from tf_adasum.comm.collective import TFCollectiveCommunicator
 from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.ops import BLOCK, Segments
-from tf_adasum.tree import buckets, rvh
+from tf_adasum.tree import buckets, topology
 
 B = BLOCK
 
@@ -60,13 +61,13 @@ def test_pack_and_unpack_round_trip():
 
 
 def test_groups_power_of_two():
-    assert rvh.groups(4) == [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
+    assert topology.groups(4) == [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
 
 
 def test_groups_with_fold():
     # N = 6: pairs (0,1), (2,3) fold; leaves are ranks 0, 2, 4, 5.
-    assert rvh.groups(6) == [(0, 1), (2, 3), (0, 2), (4, 5), (0, 4), (2, 5), (0, 2, 4, 5)]
-    assert rvh.groups(1) == []
+    assert topology.groups(6) == [(0, 1), (2, 3), (0, 2), (4, 5), (0, 4), (2, 5), (0, 2, 4, 5)]
+    assert topology.groups(1) == []
 
 
 class CountingCommunicator:

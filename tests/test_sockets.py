@@ -17,7 +17,7 @@ from multiprocess import COMPRESSED_TOLERANCE
 from tf_adasum import combiners, reference
 from tf_adasum.comm import compression, socket_communicator, socket_listener, sockets
 from tf_adasum.engines.base import combine_with_communicators
-from tf_adasum.tree import rvh
+from tf_adasum.tree import topology
 
 
 def _meshes(count, timeout=30.0):
@@ -464,7 +464,7 @@ def test_swaps_in_pieces_match_the_reference_and_are_identical_on_every_rank(n, 
     for rank, _ in results[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(rank, results[0][0]))
     if name == "adasum" and wire is None:  # the first level's [a.b, |a|^2, |b|^2]: a the lower rank's, b the upper's
-        for r in rvh.level_representatives(n)[0]:
+        for r in topology.level_representatives(n)[0]:
             a, b = per_rank[r], per_rank[r + 1]
             want = [[np.vdot(x, y), np.vdot(x, x), np.vdot(y, y)] for x, y in zip(a, b)]
             np.testing.assert_allclose(results[r][1][0][0], want, rtol=1e-6)  # [local rank][level]

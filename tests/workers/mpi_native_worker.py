@@ -85,14 +85,14 @@ def run(comm, k: int, out: str, world) -> None:
     from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines import mpi_native
     from tf_adasum.engines.base import combine_with_communicators
-    from tf_adasum.tree import rvh
+    from tf_adasum.tree import topology
 
     rank = comm.Get_rank()
     # The Python path's XLA kernels compile per shape and dtype (seconds each);
     # its plain-op kernels compute the same.
     ops.XLA_MIN_ELEMENTS = 1 << 62
     communicator = mpi_communicator.MPICommunicator(
-        comm, world.sum_communicators(comm, rvh.groups(k)), mpi_transport.Chain(), TIMEOUT_SECONDS
+        comm, world.sum_communicators(comm, topology.groups(k)), mpi_transport.Chain(), TIMEOUT_SECONDS
     )
     results = {}
     # In a traced function, on intermediates: the op may reuse their buffers (in place).
@@ -118,7 +118,7 @@ def run(comm, k: int, out: str, world) -> None:
             results[f"{dtype}_{rule}_partials_python"] = python_partials[0].numpy()
         if dtype == "float32":
             combined, partials = graph_tree(values)
-            assert partials.shape == [rvh.num_levels(k), len(SHAPES), 3], partials.shape
+            assert partials.shape == [topology.num_levels(k), len(SHAPES), 3], partials.shape
             for i, x in enumerate(combined):
                 results[f"graph_{i}"] = _numpy(x)
     # Large tensors, twice out of place and once in place: bitwise the same each time.

@@ -91,11 +91,11 @@ def native_mismatch(comm, rank: int) -> dict:
 
 def python_mismatch(comm, rank: int, world) -> dict:
     from tf_adasum.comm import mpi_communicator, mpi_transport
-    from tf_adasum.tree import rvh
+    from tf_adasum.tree import topology
 
     def swap(length):
         communicator = mpi_communicator.MPICommunicator(  # a fresh tree call: its first step agrees
-            comm, world.sum_communicators(comm, rvh.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
+            comm, world.sum_communicators(comm, topology.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
         )
         rows = tf.reshape(tf.range(2 * length, dtype=tf.float32) + 10 * rank, [2, length])
         return [t.numpy().tolist()[:3] for t in communicator.swap_halves(rows, 1 - rank)]
@@ -140,7 +140,7 @@ def path(rank: int, world, out: str) -> dict:
     from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines import mpi as mpi_engine
     from tf_adasum.engines.base import combine_with_communicators
-    from tf_adasum.tree import rvh
+    from tf_adasum.tree import topology
 
     if rank == 1:
         os.environ["TF_ADASUM_MPI_NATIVE"] = "0"  # this rank alone cannot use the native ops
@@ -151,7 +151,7 @@ def path(rank: int, world, out: str) -> dict:
     combined = engine.combine(values, "adasum")
     comm = world.comm
     communicator = mpi_communicator.MPICommunicator(
-        comm, world.sum_communicators(comm, rvh.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
+        comm, world.sum_communicators(comm, topology.groups(2)), mpi_transport.Chain(), TIMEOUT_SECONDS
     )
     python, _ = combine_with_communicators([(v,) for v in values], [communicator], combiners.get("adasum"))
     arrays = {f"engine_{i}": np.asarray(x) for i, x in enumerate(combined)}
@@ -167,14 +167,14 @@ def last_differs(rank: int, world) -> dict:
     from tf_adasum import combiners
     from tf_adasum.comm import mpi_communicator, mpi_transport
     from tf_adasum.engines.base import combine_with_communicators
-    from tf_adasum.tree import rvh
+    from tf_adasum.tree import topology
 
     comm = world.comm.Dup()
 
     def tree(x):
         communicator = mpi_communicator.MPICommunicator(
             comm,
-            world.sum_communicators(comm, rvh.groups(comm.Get_size())),
+            world.sum_communicators(comm, topology.groups(comm.Get_size())),
             mpi_transport.Chain(),
             LAST_TIMEOUT_SECONDS,
         )

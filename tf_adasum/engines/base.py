@@ -34,7 +34,7 @@ from tensorflow.python.distribute import values as values_lib
 
 from tf_adasum import combiners as combiners_lib
 from tf_adasum import ops
-from tf_adasum.tree import rvh
+from tf_adasum.tree import rvh, topology
 from tf_adasum.tree.buckets import make_buckets, pack, unpack
 
 __all__ = [
@@ -149,7 +149,7 @@ def combine_with_communicators(
       Per value, the combined tensor of every local rank (bitwise identical
       across ranks); and per local rank the float64 partial sums
       ``[levels, values, 3]`` the rule computed at each tree level (zeros
-      where that rank holds none; see `rvh.level_representatives`).
+      where that rank holds none; see `topology.level_representatives`).
     """
     num_ranks = comms[0].size
     shapes = [v[0].shape for v in values]
@@ -157,7 +157,7 @@ def combine_with_communicators(
         [v[0].dtype for v in values], [s.num_elements() for s in shapes], num_ranks, bytes_per_bucket
     )
     outputs = [[components[local] for components in values] for local in range(len(comms))]
-    levels = rvh.num_levels(num_ranks)
+    levels = topology.num_levels(num_ranks)
     recorded = [[[None] * len(values) for _ in range(levels)] for _ in comms]
     for bucket in buckets:
 

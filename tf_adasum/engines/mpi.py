@@ -30,7 +30,7 @@ from tf_adasum.comm import mpi_communicator, mpi_transport
 from tf_adasum.engines import agreement, mpi_native
 from tf_adasum.engines.agreement import differing_items, gather_strings, has_value
 from tf_adasum.engines.base import Components, Engine, combine_with_communicators
-from tf_adasum.tree import rvh
+from tf_adasum.tree import topology
 from tf_adasum.tree.buckets import make_buckets
 
 __all__ = ["MPIEngine", "agree_on_native", "broadcast_variables", "check_same_names", "check_same_variables"]
@@ -131,7 +131,8 @@ class MPIEngine(Engine):
         self._comms = {"all": world.comm, "local": world.node, "cross": world.cross}
         with tf.init_scope():
             self._sum_comms = {
-                scope: world.sum_communicators(comm, rvh.groups(comm.Get_size())) for scope, comm in self._comms.items()
+                scope: world.sum_communicators(comm, topology.groups(comm.Get_size()))
+                for scope, comm in self._comms.items()
             }
         # The same path on every rank: None everywhere (one warning) where one rank cannot load the library.
         self.native = agree_on_native(world.comm, self.timeout_seconds)
@@ -156,7 +157,7 @@ class MPIEngine(Engine):
         buckets = make_buckets(
             [t.dtype for t in tensors], [s.num_elements() for s in shapes], size, self.bytes_per_bucket
         )
-        levels = rvh.num_levels(size)
+        levels = topology.num_levels(size)
         columns = [tf.zeros([levels, 3], tf.float64)] * len(tensors)
         for bucket in buckets:
             members = [tensors[i] for i in bucket.indices]

@@ -248,7 +248,7 @@ def tree(
       and float64 ``[levels, len(values), 3]``: per level (the fold first
       when the size is not a power of two), the group-summed partials this
       rank used, zeros where it computed none (all zeros for "sum"); as
-      `tf_adasum.tree.rvh.level_representatives` and ``num_levels`` count levels.
+      `tf_adasum.tree.topology.level_representatives` and ``num_levels`` count levels.
     """
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {list(RULES)}. Received: rule={rule!r}")

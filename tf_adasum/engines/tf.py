@@ -38,7 +38,7 @@ from tf_adasum.engines.base import (
     digests_differ,
     small_digests,
 )
-from tf_adasum.tree import rvh
+from tf_adasum.tree import topology
 
 __all__ = ["TFEngine", "sum_over_workers"]
 
@@ -46,7 +46,7 @@ __all__ = ["TFEngine", "sum_over_workers"]
 def _partners(num_ranks: int, rank: int) -> set[int]:
     """The ranks `rank` exchanges messages with over the socket transport in
     the tree of `num_ranks`: its pairs, and whom its partial sums talk to."""
-    groups = [g for g in rvh.groups(num_ranks) if rank in g]  # pairs (a pair's sum is its swap partner) and sums
+    groups = [g for g in topology.groups(num_ranks) if rank in g]  # pairs (a pair's sum is its swap partner) and sums
     return {m for g in groups for step in socket_communicator.sum_steps(g, rank) for m in step}
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_adasum import ops
 from tf_adasum.engines.base import Engine
-from tf_adasum.tree import rvh
+from tf_adasum.tree import topology
 
 __all__ = ["LEVEL_STATS", "TENSOR_STATS", "Recorder", "columns", "statistics"]
 
@@ -40,7 +40,7 @@ LEVEL_STATS = tuple(f"{q}_{s}" for q in ("cos", "coef_a", "coef_b") for s in ("m
 
 def columns(num_replicas: int, with_levels: bool) -> list[str]:
     """The statistics' names, in column order."""
-    levels = rvh.num_levels(num_replicas) if with_levels else 0
+    levels = topology.num_levels(num_replicas) if with_levels else 0
     return list(TENSOR_STATS) + [f"level{k}/{q}" for k in range(levels) for q in LEVEL_STATS]
 
 
@@ -70,7 +70,7 @@ def statistics(delta_sq: tf.Tensor, combined_sq: tf.Tensor, partials: tf.Tensor,
         delta_total,
     ]
     if with_levels:
-        for level, ranks in enumerate(rvh.level_representatives(int(delta_sq.shape[0]))):
+        for level, ranks in enumerate(topology.level_representatives(int(delta_sq.shape[0]))):
             pairs = tf.gather(partials[:, level], ranks)  # [pairs, T, 3]
             dot, a_sq, b_sq = tf.unstack(pairs, axis=-1)
             cos = _safe_divide(dot, tf.sqrt(a_sq * b_sq), 0.0)
@@ -124,7 +124,7 @@ class Recorder:
         to the variable's `rows` (one per value: the tensors a step updates may
         be a subset; the other rows keep their last statistics)."""
         num_tensors = len(per_replica)
-        levels = rvh.num_levels(self.num_replicas) if self.with_levels else 0
+        levels = topology.num_levels(self.num_replicas) if self.with_levels else 0
         strategy = engine.strategy
 
         def local_row(*args):

@@ -3,9 +3,10 @@
 The driver runs against a small `Communicator` per rank; each process calls it
 once per bucket (a flat buffer laid out by `tf_adasum.tree.buckets`) with all
 the ranks it holds, whose parts of the graph it builds together (see
-`allreduce`). Beside it: the rank groups and levels of a tree of N ranks
-(`groups`, `num_levels`, `level_representatives`), and the same tree over N
-buffers on one device (`reduce_on_one_device`).
+`allreduce`). Beside it: the same tree over N buffers on one device
+(`reduce_on_one_device`). Which ranks meet at which level is
+`tf_adasum.tree.topology`; how this process's ranks reach their partners,
+`tf_adasum.tree.exchanges`.
 
 Phase 1 (reduce-scatter by vector halving): at level k a rank swaps half of its
 current slice with partner ``rank XOR 2^k`` and keeps the other half. On that
@@ -34,7 +35,7 @@ Where a communicator moves the bytes itself (`Communicator.piece_bytes`: the
 socket transport between worker processes), a level's half travels in
 messages of about that size, and each piece's partials are computed as soon
 as it has come, while the rest is on the wire; a rank adds its pieces'
-partials in piece order (pairwise, as `_pairwise_sum` does), before they are
+partials in piece order (pairwise, as `tf_adasum.tree.exchanges.pairwise_sum` does), before they are
 summed over the ranks, so the sum's order is fixed and the result is the same
 whatever the arrival order. The level's combine then computes first the half
 that the rank sends at the next level, whose exchange starts while it
@@ -53,17 +54,10 @@ import tensorflow as tf
 from tf_adasum.ops import BLOCK, Segments
 from tf_adasum.reference import tree_shape, tree_with_blocks
 from tf_adasum.tree.buckets import Bucket
+from tf_adasum.tree.exchanges import Ranks, pairwise_sum
+from tf_adasum.tree.topology import real_rank
 
-__all__ = [
-    "Communicator",
-    "PairRule",
-    "RecordFn",
-    "allreduce",
-    "groups",
-    "level_representatives",
-    "num_levels",
-    "reduce_on_one_device",
-]
+__all__ = ["Communicator", "PairRule", "RecordFn", "allreduce", "reduce_on_one_device"]
 
 
 class Communicator(Protocol):
@@ -139,155 +133,12 @@ class PairRule(Protocol):
         holding these two subtrees (None where it returned None)."""
 
 
-def _real_rank(virtual: int, folded: int) -> int:
-    """The rank standing for tree leaf `virtual`: 2v for folded pairs, else v + r."""
-    return 2 * virtual if virtual < folded else virtual + folded
-
-
-def groups(num_ranks: int) -> list[tuple[int, ...]]:
-    """Every rank group the collective uses for `num_ranks`, in a canonical order.
-
-    The swap pairs of each level and the groups whose dot products are summed
-    (the MPI engine makes one sub-communicator for each; the TF engine's
-    partners are those a rank belongs to).
-    """
-    leaves, folded = tree_shape(num_ranks)
-    result = [(2 * i, 2 * i + 1) for i in range(folded)]
-    bit = 1
-    while bit < leaves:
-        for v in range(leaves):
-            if not v & bit:
-                result.append((_real_rank(v, folded), _real_rank(v | bit, folded)))
-        for start in range(0, leaves, 2 * bit):
-            result.append(tuple(_real_rank(u, folded) for u in range(start, start + 2 * bit)))
-        bit <<= 1
-    return list(dict.fromkeys(result))
-
-
-def num_levels(num_ranks: int) -> int:
-    """Levels of the tree as `level_representatives` counts them (the fold is one)."""
-    leaves, folded = tree_shape(num_ranks)
-    return (leaves.bit_length() - 1) + (1 if folded else 0)
-
-
-def level_representatives(num_ranks: int) -> list[list[int]]:
-    """Per level (the fold first, if any), one rank per pair combined at that
-    level: the rank that holds that pair's whole-tensor partial sums."""
-    leaves, folded = tree_shape(num_ranks)
-    levels = [[2 * i for i in range(folded)]] if folded else []
-    bit = 1
-    while bit < leaves:
-        levels.append([_real_rank(start, folded) for start in range(0, leaves, 2 * bit)])
-        bit <<= 1
-    return levels
-
-
 #: Called as ``record(level, partials)`` with a level's float64 ``[tensors, 3]``
 #: whole-tensor partial sums [a.b, |a|^2, |b|^2], on the ranks that have them.
 RecordFn = Callable[[int, tf.Tensor], None]
 
 
-class _Ranks:
-    """The ranks one `allreduce` call builds, and how each exchange reaches a
-    partner: a plain reference to the partner's tensor where every member is
-    built here and the communicator allows it (`Communicator.direct`), else the
-    communicator's own exchange. Each method takes and returns ``{i: ...}``
-    keyed by the index of the rank's communicator; a direct exchange needs
-    every member's entry in the same call."""
-
-    def __init__(self, comms: Sequence[Communicator]):
-        self.comms = list(comms)
-        index = {comm.rank: i for i, comm in enumerate(self.comms)}
-        # Repeated ranks: one rank each of several trees (the cross-worker scope), never direct.
-        self._index = index if len(index) == len(self.comms) else {}
-
-    def _direct(self, i: int, members: tuple[int, ...]) -> bool:
-        """Whether every member is built here and every member's communicator
-        allows a direct exchange (so all of them take the same path)."""
-        if not all(m in self._index for m in members):
-            return False
-        return all(self.comms[self._index[m]].direct(members) for m in members)
-
-    def _inputs_of(self, inputs: dict, members: tuple[int, ...]) -> list:
-        return [inputs[self._index[m]][0] for m in members]
-
-    def _each(self, inputs: dict, members_of, direct, exchange) -> dict:
-        """``{i: direct(i, members) or exchange(comm, x, arg)}`` over
-        ``inputs = {i: (x, arg)}``, each on its rank's device; `members_of`
-        gives the sorted members of rank i's exchange from (rank, arg)."""
-        out = {}
-        for i, (x, arg) in inputs.items():
-            comm = self.comms[i]
-            members = members_of(comm.rank, arg)
-            with tf.device(comm.device):
-                out[i] = direct(i, members) if self._direct(i, members) else exchange(comm, x, arg)
-        return out
-
-    def swap_halves(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
-        """Per rank ``(a, b)``: what the lower and the upper member of its pair
-        send it (rows of the ``[2, m]`` inputs; views, not copies, on CPUs)."""
-
-        def direct(i, pair):
-            row = pair.index(self.comms[i].rank)
-            return tuple(member_x[row] for member_x in self._inputs_of(inputs, pair))
-
-        return self._each(inputs, _pair, direct, lambda comm, x, partner: comm.swap_halves(x, partner))
-
-    def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
-        return self._each(
-            inputs,
-            _pair,
-            lambda i, pair: tf.concat(self._inputs_of(inputs, pair), axis=0),
-            lambda comm, x, partner: comm.gather_pair(x, partner),
-        )
-
-    def sum_float64(self, inputs: dict[int, tuple[tf.Tensor, tuple[int, ...]]]) -> dict[int, tf.Tensor]:
-        return self._each(
-            inputs,
-            lambda rank, members: members,
-            lambda i, members: _pairwise_sum(self._inputs_of(inputs, members)),
-            lambda comm, x, members: comm.sum_float64(x, members),
-        )
-
-    def transfer(
-        self, sends: dict[int, tuple[tf.Tensor, int]], recvs: dict[int, tuple[int, tf.Tensor]]
-    ) -> tuple[dict[int, tf.Tensor], dict[int, tf.Tensor]]:
-        """Each rank in `sends` sends ``x`` to its peer, each in `recvs` receives
-        a tensor like ``like`` from its peer; returns (the sent tensors, once
-        sent; the received ones)."""
-        sent = self._each(sends, _pair, lambda i, pair: sends[i][0], lambda comm, x, peer: comm.send(x, peer))
-        received = self._each(
-            {i: (like, peer) for i, (peer, like) in recvs.items()},
-            _pair,
-            lambda i, pair: sends[self._index[recvs[i][0]]][0],  # what the peer sends
-            lambda comm, like, peer: comm.recv(peer, like=like),
-        )
-        return sent, received
-
-
-def _pair(rank: int, peer: int) -> tuple[int, int]:
-    return (rank, peer) if rank < peer else (peer, rank)
-
-
-def _pairwise_sum(values: list[tf.Tensor]) -> tf.Tensor:
-    """The sum of `values` as recursive doubling adds them (neighbours first,
-    in list order: (v0 + v1) + (v2 + v3) for four), so every rank computing
-    it gets the same bits, those of `TFCollectiveCommunicator.sum_float64`
-    over the same (power-of-two) members.
-    Each addition of two is a `tf.reduce_sum` over a pair of rows, not an
-    ``Add``: Grappler's arithmetic optimizer may merge a tree of ``Add`` ops
-    into one ``AddN`` and order its inputs differently in two ranks' graphs
-    (seen here for sums over the rows of one tensor: one rank of four got
-    other bits)."""
-    while len(values) > 1:
-        values = [
-            tf.reduce_sum(tf.stack(values[k : k + 2]), axis=0) if k + 1 < len(values) else values[k]
-            for k in range(0, len(values), 2)
-        ]
-    return values[0]
-
-
-def _partials(ranks: _Ranks, pieces: dict, blocks: dict, rule: PairRule, records, level: int) -> dict:
+def _partials(ranks: Ranks, pieces: dict, blocks: dict, rule: PairRule, records, level: int) -> dict:
     """Per rank, the rule's partials of its pair, given as pieces
     ``[(a, b, segments), ...]`` (one per message it came in: each piece's
     partials are computed as soon as it has come, and added in piece order),
@@ -298,7 +149,7 @@ def _partials(ranks: _Ranks, pieces: dict, blocks: dict, rule: PairRule, records
     for i, pair_pieces in pieces.items():
         with tf.device(comms[i].device):
             each = [rule.partials(a, b, segments) for a, b, segments in pair_pieces]
-            partials[i] = None if each[0] is None else _pairwise_sum(each)
+            partials[i] = None if each[0] is None else pairwise_sum(each)
     if any(p is not None for p in partials.values()):
         shared = {i: (p, blocks[i]) for i, p in partials.items() if blocks[i] is not None}
         partials = {**partials, **ranks.sum_float64(shared)}
@@ -346,7 +197,7 @@ def allreduce(
     Returns:
       Each given rank's combined buffer, bitwise identical on every rank.
     """
-    ranks = _Ranks(comms)
+    ranks = Ranks(comms)
     records = list(records) if records is not None else [None] * len(comms)
     size = comms[0].size
     flats = list(flats)
@@ -384,7 +235,7 @@ def allreduce(
     bit = 1
     while bit < leaves:
         half = length // 2
-        partner = {i: _real_rank(virtual[i] ^ bit, folded) for i in tree}
+        partner = {i: real_rank(virtual[i] ^ bit, folded) for i in tree}
         upper = {i: int(bool(virtual[i] & bit)) for i in tree}  # also this rank's index in its pair
         outgoing = {}
         for i in (i for i in tree if i not in piecewise):  # in tree order: the order of the chained calls
@@ -413,7 +264,7 @@ def allreduce(
                 for a, b, at in pieces[i]
             ]
             block_start = virtual[i] & ~(2 * bit - 1)
-            blocks[i] = tuple(_real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
+            blocks[i] = tuple(real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
         partials = _partials(ranks, pieces, blocks, rule, records, level)
         bit <<= 1
         level += 1
@@ -436,7 +287,7 @@ def allreduce(
                 halves[i] = tuple(out)
     while bit > 1:
         bit >>= 1
-        gathered = ranks.gather_pair({i: (flats[i], _real_rank(virtual[i] ^ bit, folded)) for i in tree})
+        gathered = ranks.gather_pair({i: (flats[i], real_rank(virtual[i] ^ bit, folded)) for i in tree})
         for i, flat in gathered.items():
             flats[i] = flat
 
