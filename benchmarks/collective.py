@@ -216,11 +216,7 @@ def main(argv=None):
         return _mpi_rank(args)
     from tf_adasum.eval import provenance
 
-    command = provenance.command_line(__file__, argv)
-    transport = os.environ.get("TF_ADASUM_WORKER_TRANSPORT")
-    if transport and "workers" in args.engine:  # what the worker rows ran over, as the user set it
-        command = f"TF_ADASUM_WORKER_TRANSPORT={transport} {command}"
-    _PROVENANCE.update(provenance.fields(command))
+    _PROVENANCE.update(provenance.fields(provenance.command_line(__file__, argv)))
     if "local" in args.engine:
         cpus = tf.config.list_physical_devices("CPU")
         tf.config.set_logical_device_configuration(

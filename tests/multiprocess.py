@@ -2,12 +2,12 @@
 MPI): they read what `tests/workers/distributed_worker.py` wrote and compare it
 with `tf_adasum.reference` and the numpy simulation."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import committed
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -24,11 +24,7 @@ WORKER = os.path.join(TESTS, "workers", "distributed_worker.py")
 
 def load_worker(path: str):
     """A script (a worker, a benchmark) as a module, for its constants and functions."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return committed.load_script(path)
 
 
 worker = load_worker(WORKER)

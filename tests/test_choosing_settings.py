@@ -13,11 +13,10 @@ evaluation guide and the home page.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import pathlib
 import re
 
+import committed
 import pytest
 
 from tf_adasum.eval import summary
@@ -31,21 +30,9 @@ GUIDE = ROOT / "docs" / "guide"
 UNCHECKED = {"99.3"}
 
 
-def _records(relative: str) -> list[dict]:
-    with open(ROOT / relative, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _flat(text: str) -> str:
     """Markdown with its line breaks and runs of spaces as single spaces."""
     return re.sub(r"\s+", " ", text)
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _tables(markdown: str) -> list[tuple[set[int], list[tuple[str, object, str]]]]:
@@ -84,14 +71,14 @@ def page() -> str:
 
 @pytest.fixture(scope="module")
 def replicas() -> list[dict]:
-    return _records("docs/eval_replicas/results.jsonl")
+    return committed.records("docs/eval_replicas/results.jsonl")
 
 
 @pytest.fixture(scope="module")
 def tables(replicas) -> dict[str, dict]:
     """The generated cells: the replica sweep's rows, then the edge sweep's
     rows that the replica sweep lacks (its variants)."""
-    edge = _cells(summary.replica_table(_records("docs/eval_edge/results.jsonl")))
+    edge = _cells(summary.replica_table(committed.records("docs/eval_edge/results.jsonl")))
     return {**edge, **_cells(summary.replica_table(replicas))}
 
 
@@ -126,7 +113,7 @@ def figures(replicas, tables) -> list[str]:
     )
 
     # Time to accuracy per interconnect: the benchmark's own scores of the replica sweep.
-    tta = _script("time_to_accuracy")
+    tta = committed.benchmark("time_to_accuracy")
     rows = tta.scores(replicas, tta.DEFAULT_CONSTANTS)
     score = {(r["link"], r["method"], r["local_steps"], r["replicas"]): r["score"] for r in rows}
 
@@ -146,7 +133,7 @@ def figures(replicas, tables) -> list[str]:
     # Training on emulated hosts: the sweep's median epochs x the measured minutes per epoch.
     measured = {
         (r["link"], r["hosts"], r["combiner"], r["local_steps"]): r["measured_minutes"]
-        for r in _records("docs/cluster/training_links.jsonl")
+        for r in committed.records("docs/cluster/training_links.jsonl")
         if r["model"] == "lenet_caffe"
     }
 
@@ -171,7 +158,7 @@ def figures(replicas, tables) -> list[str]:
     )
 
     # The collective on emulated links: the bfloat16 wire's speed-up and the link floor.
-    links = _records("docs/cluster/collective_links.jsonl")
+    links = committed.records("docs/cluster/collective_links.jsonl")
     assert {(r["dtype"], r["bytes"], r["compression"]) for r in links} == {
         ("float32", size << 20, "bfloat16") for size in (16, 64)
     }
@@ -190,7 +177,7 @@ def figures(replicas, tables) -> list[str]:
     ]
 
     # The 16-bit wire on loopback.
-    loopback = _records("docs/benchmarks/collective_compressed.jsonl")
+    loopback = committed.records("docs/benchmarks/collective_compressed.jsonl")
     assert {r["compression"] for r in loopback} == {"float16"}
     local = {r["replicas"]: f"{r['ratio_compressed']:.2f}x" for r in loopback if r["engine"] == "local"}
     phrases.append(
@@ -212,7 +199,7 @@ def figures(replicas, tables) -> list[str]:
     )
 
     # The per-replica-batch sweep: the largest effective batch each method reached, every seed.
-    paper = _records("docs/eval_paper/results.jsonl")
+    paper = committed.records("docs/eval_paper/results.jsonl")
     assert {r["replicas"] for r in paper} == {4} and len({r["seed"] for r in paper}) == 1  # "4 replicas, one seed"
     largest = {}
     for line in summary.largest_reached(paper):
@@ -291,7 +278,7 @@ def test_no_decimal_figure_escapes_the_checks(page, figures):
 def test_the_sweeps_are_what_the_page_says(page, replicas):
     """The recipe the page describes, and each sweep's date beside its command."""
     text = _flat(page)
-    edge = _records("docs/eval_edge/results.jsonl")
+    edge = committed.records("docs/eval_edge/results.jsonl")
     for r in replicas + edge:
         assert (r["model"], r["dataset"], r["target"], r["epochs"]) == ("lenet_caffe", "mnist", 0.993, 10)
         assert r["batch_per_replica"] == 64 and r["engine"] == "simulated"
@@ -299,8 +286,8 @@ def test_the_sweeps_are_what_the_page_says(page, replicas):
     sources = {
         "tf-adasum eval --preset replicas": replicas,
         "tf-adasum eval --preset edge": [r for r in edge if "command" in r and r["replicas"] <= 64],
-        "tf-adasum eval --preset paper": _records("docs/eval_paper/results.jsonl"),
-        "python benchmarks/emulated_training.py": _records("docs/cluster/training_links.jsonl"),
+        "tf-adasum eval --preset paper": committed.records("docs/eval_paper/results.jsonl"),
+        "python benchmarks/emulated_training.py": committed.records("docs/cluster/training_links.jsonl"),
     }
     quoted = re.findall(r"`([^`]+)`, (20\d\d-\d\d-\d\d)", text)
     assert {command for command, _ in quoted} >= set(sources), f"choosing.md no longer names its sources: {quoted}"

@@ -2,26 +2,20 @@
 rebuilds a table (or the figures a paragraph quotes) from the JSON-lines
 records, formatted as the page formats them, and finds it in the page."""
 
-import importlib.util
-import json
 import os
 import statistics
+
+import committed
 
 from tf_adasum.eval import metrics, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _records(path):
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _section(page, start, end):
     """The page's text from `start` to the next `end`, whitespace collapsed
     (the guides wrap their paragraphs)."""
-    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-        text = f.read()
+    text = committed.page(page, collapse=False)
     first = text.index(start)
     return " ".join(text[first : text.index(end, first + len(start))].split())
 
@@ -30,13 +24,6 @@ def _listed(items):
     """`1, 2 and 3`, as the guides list figures."""
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def _benchmark(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 #: The resize table's rows: (combiner, schedule) -> the row's first two cells.
@@ -55,7 +42,7 @@ def test_the_resize_table_is_its_records():
     when a seed missed) and each seed's accuracy at the end; and the bullets'
     figures: the medians, how far the resize moved single seeds, and the
     seeds averaging missed the target with."""
-    rows = _records("docs/elastic/resize_accuracy.jsonl")
+    rows = committed.records("docs/elastic/resize_accuracy.jsonl")
     text = _section("docs/guide/elastic.md", "## What a resize changes", "\n## ")
     target = 0.993
     assert f"{100 * target:g}%" in text and rows[0]["commit"][:7] in text
@@ -93,9 +80,9 @@ def test_the_chaos_run_is_its_record():
     """elastic.md's chaos run: the schedule of kills, each round's size, the
     batches redone, the accuracies, the wall times and that the weights are
     the uninterrupted run's, bit for bit."""
-    (r,) = _records("docs/elastic/chaos.jsonl")
+    (r,) = committed.records("docs/elastic/chaos.jsonl")
     text = _section("docs/guide/elastic.md", "**The chaos run**", "\n## ")
-    chaos = _benchmark("elastic_chaos")
+    chaos = committed.benchmark("elastic_chaos")
     steps = chaos._steps(r["replicas"])
     kills = [batch for _, _, batch, _ in r["schedule"]]
     available = sorted({left for *_, left in r["schedule"]}, reverse=True)
@@ -141,7 +128,7 @@ def test_the_per_replica_batch_sweep_tables_are_their_records():
     """evaluation.md's per-replica-batch sweep: the epochs table (one row per
     method, one column per effective batch; bold epochs, or the best accuracy
     where the target was missed) and every run in detail, in record order."""
-    rows = _records("docs/eval_paper/results.jsonl")
+    rows = committed.records("docs/eval_paper/results.jsonl")
     text = _section("docs/guide/evaluation.md", "### Per-replica-batch sweep", "\n### ")
     assert f"for the {len(rows)} runs" in text and rows[0]["date"][:10] in text
     batches = sorted({r["effective_batch"] for r in rows})
@@ -178,11 +165,11 @@ def test_the_emulated_hosts_epochs_are_their_record():
     epochs and accuracy per epoch, beside the simulated replica sweep's runs
     of the same recipe at the same N (seed 0's epochs and best accuracy, the
     other seeds' epochs)."""
-    (r,) = _records("docs/cluster/training_links_accuracy.jsonl")
+    (r,) = committed.records("docs/cluster/training_links_accuracy.jsonl")
     text = _section("docs/guide/evaluation.md", "**Epochs to target on the emulated hosts**", "\n\n")
     same = ("model", "combiner", "replicas", "batch_per_replica", "local_steps", "lr", "schedule", "target", "epochs")
     sweep = sorted(
-        (s for s in _records("docs/eval_replicas/results.jsonl") if all(s.get(k) == r[k] for k in same)),
+        (s for s in committed.records("docs/eval_replicas/results.jsonl") if all(s.get(k) == r[k] for k in same)),
         key=lambda s: s["seed"],
     )
     assert [s["seed"] for s in sweep] == [0, 1, 2], [s["seed"] for s in sweep]
@@ -211,7 +198,7 @@ def test_the_recovery_table_is_its_records():
     recovery's median and range, its ratio to the cold start and the batches
     each kill cost) from `benchmarks/elastic.py`'s records, with the command,
     date, commit and processor they name, and the figures its bullets quote."""
-    rows = _records("docs/elastic/recovery.jsonl")
+    rows = committed.records("docs/elastic/recovery.jsonl")
     text = _section("docs/guide/elastic.md", "## Measured", "\n## ")
     assert rows and len({r["command"] for r in rows}) == 1, [r["command"] for r in rows]
     first = rows[0]
@@ -240,3 +227,33 @@ def test_the_recovery_table_is_its_records():
     assert f"After SIGTERM it is a cold start plus {notice:.1f} s" in text, notice
     cold = [r["cold_start_s"] for r in rows]
     assert f"the cold start ({min(cold):.1f}-{max(cold):.1f} s here)" in text, cold
+
+
+def test_the_lamb_rate_is_its_records():
+    """evaluation.md's choice of LAMB's base rate: per rate, the epoch it
+    reached the target (or that it never did) and its accuracies, from
+    `docs/eval_edge/lamb_recipe.jsonl`, the recipe run the whole budget."""
+    rows = {r["lr"]: r for r in committed.records("docs/eval_edge/lamb_recipe.jsonl")}
+    assert sorted(rows) == [0.001, 0.003, 0.01]
+    assert all(
+        r["inner"] == "lamb" and r["replicas"] == 1 and r["batch_per_replica"] == 64 and r["seed"] == 0
+        for r in rows.values()
+    )
+    assert all(not r["stopped_at_target"] and len(r["accuracy_per_epoch"]) == r["epochs"] == 10 for r in rows.values())
+    fast, slow, unstable = rows[0.003], rows[0.001], rows[0.01]
+    curve = fast["accuracy_per_epoch"]
+    later = unstable["accuracy_per_epoch"][1:]
+    quoted = (
+        f"{fast['date'][:10]}, AMD EPYC with AVX-512, records with their commands in "
+        "`docs/eval_edge/lamb_recipe.jsonl`): "
+        f"at 3e-3 it reached 99.3% in epoch {fast['epochs_until_convergence']} "
+        f"(best {max(curve):.2%}, epoch {curve.index(max(curve)) + 1}); "
+        f"at 1e-3 only in epoch {slow['epochs_until_convergence']} "
+        f"({slow['accuracy_per_epoch'][slow['epochs_until_convergence'] - 1]:.2%}, its best); "
+        f"at 1e-2 it was unstable ({unstable['accuracy_per_epoch'][0]:.2%} after the first epoch, "
+        f"{min(later):.2%}-{max(later):.2%} after)."
+    ).replace("%-", "-")
+    assert max(slow["accuracy_per_epoch"]) == slow["accuracy_per_epoch"][slow["epochs_until_convergence"] - 1]
+    assert all(r["processor"] == "AMD EPYC, AVX-512" for r in rows.values())
+    section = _section("docs/guide/evaluation.md", "LAMB's base rate in the `edge` preset", "### The learning rate")
+    assert quoted in section, (quoted, section)

@@ -4,10 +4,9 @@ the committed records of `benchmarks/emulated_training.py`
 predictions are the script's formula, every one is within the tolerance of
 its measurement, and the evaluation guide's table is theirs."""
 
-import importlib.util
-import json
 import os
 
+import committed
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
@@ -17,18 +16,12 @@ GUIDE = os.path.join(ROOT, "docs", "guide", "evaluation.md")
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "emulated_training", os.path.join(ROOT, "benchmarks", "emulated_training.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return committed.benchmark("emulated_training")
 
 
 @pytest.fixture(scope="module")
 def records():
-    with open(RECORDS) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return committed.records(RECORDS)
 
 
 def test_every_configuration_is_recorded_with_its_provenance(script, records):

@@ -2,10 +2,10 @@
 collective's committed records on emulated links (docs/cluster/), and the
 model's terms one by one."""
 
-import importlib.util
 import json
 import os
 
+import committed
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
@@ -13,21 +13,13 @@ RECORDS = os.path.join(ROOT, "docs", "cluster", "collective_links.jsonl")
 GUIDE = os.path.join(ROOT, "docs", "guide", "benchmarks.md")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load("link_model")
+lm = committed.benchmark("link_model")
 tta = lm.tta
 
 
 @pytest.fixture(scope="module")
 def records():
-    with open(RECORDS, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.startswith("{")]
+    return committed.records(RECORDS)
 
 
 def test_every_record_within_the_tolerance_or_explained(records):

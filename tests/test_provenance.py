@@ -4,7 +4,6 @@ real run of benchmarks/collective.py, carry them."""
 
 import datetime
 import fnmatch
-import importlib.util
 import json
 import os
 import platform
@@ -12,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import committed
 import pytest
 from multiprocess import worker_env
 
@@ -34,10 +34,30 @@ def test_fields_name_date_commit_processor_and_command():
     assert re.fullmatch(PROCESSOR, fields["processor"]), fields["processor"]
 
 
-def test_the_command_is_written_from_the_repository_root():
+def test_the_command_is_written_from_the_repository_root(monkeypatch):
+    for name in provenance.PATH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     script = os.path.join(ROOT, "benchmarks", "mpi_native.py")
     assert provenance.command_line(script, ["--sizes", "1 2"]) == "python benchmarks/mpi_native.py --sizes '1 2'"
     assert provenance.command_line("/elsewhere/x.py", ["-v"]) == "python /elsewhere/x.py -v"
+
+
+def test_the_command_names_the_variables_that_choose_the_code_path(monkeypatch):
+    """A run under ``TF_ADASUM_WORKER_TRANSPORT=collective`` (or without the
+    native kernels or MPI ops) measured other code: its command says so, in
+    `PATH_VARIABLES` order, whichever script or the evaluation wrote it."""
+    for name in provenance.PATH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TF_ADASUM_WORKER_TRANSPORT", "collective")
+    monkeypatch.setenv("TF_ADASUM_CPU_KERNELS", "0")
+    script = os.path.join(ROOT, "benchmarks", "soak.py")
+    assert provenance.command_line(script, ["--minutes", "1"]) == (
+        "TF_ADASUM_CPU_KERNELS=0 TF_ADASUM_WORKER_TRANSPORT=collective python benchmarks/soak.py --minutes 1"
+    )
+    assert provenance.fields()["command"].startswith("TF_ADASUM_CPU_KERNELS=0 TF_ADASUM_WORKER_TRANSPORT=collective ")
+    assert provenance.with_path_variables("tf-adasum eval --preset quick", {"TF_ADASUM_MPI_NATIVE": "0"}) == (
+        "TF_ADASUM_MPI_NATIVE=0 tf-adasum eval --preset quick"
+    )
 
 
 def test_the_vector_extension_is_the_widest_offered():
@@ -51,7 +71,7 @@ def test_a_benchmark_record_carries_its_provenance():
     argv = ["--engine", "local", "--replicas", "2", "--sizes", "4096", "--repeats", "1", "--min-seconds", "0"]
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "collective.py"), *argv],
-        env=worker_env(),
+        env={k: v for k, v in worker_env().items() if k not in provenance.PATH_VARIABLES},
         capture_output=True,
         text=True,
         timeout=300,
@@ -79,34 +99,14 @@ TABLES = [
 ]
 
 
-def _benchmark(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _records(path):
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _page(path, collapse=True):
-    """A page's text, its whitespace collapsed (the guides wrap their
-    paragraphs) unless `collapse` is false."""
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        text = f.read()
-    return " ".join(text.split()) if collapse else text
-
-
 @pytest.mark.parametrize("records, page", TABLES)
 def test_a_benchmark_table_is_its_records(records, page):
     """The guide shows `collective.py --table` of the committed records, and
     every record names its date, commit, processor and command."""
-    collective = _benchmark("collective")
-    rows = _records(records)
+    collective = committed.benchmark("collective")
+    rows = committed.records(records)
     assert rows and all({"date", "commit", "processor", "command"} <= set(r) for r in rows), records
-    text = _page(page, collapse=False)
+    text = committed.page(page, collapse=False)
     assert collective.table(rows) in text, f"{page} does not show the table of {records}"
     for row in rows:  # every command that made its rows, with its commit and date
         assert row["command"] in text and row["commit"] in text and row["date"][:10] in text, row["command"]
@@ -114,9 +114,9 @@ def test_a_benchmark_table_is_its_records(records, page):
 
 def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
     """The guide's fitted constants are `cost_model.fit` of the committed N sweep."""
-    cost_model = _benchmark("cost_model")
-    rows = _records("docs/benchmarks/collective_sweep.jsonl")
-    text = _page("docs/guide/benchmarks.md")
+    cost_model = committed.benchmark("cost_model")
+    rows = committed.records("docs/benchmarks/collective_sweep.jsonl")
+    text = committed.page("docs/guide/benchmarks.md")
     a, u, a_ring, u_ring = cost_model.fit([r for r in rows if r["engine"] == "workers"], 2)
     quoted = (
         f"the tree {a * 1e3:.2f} ms per message (`a`) and {1e-9 / u:.2f} GB/s",
@@ -131,9 +131,9 @@ def test_the_cost_model_section_quotes_the_fit_of_the_sweeps_records():
 def test_the_cost_models_extrapolations_are_its_fits():
     """The Adasum/ring ratios the guide quotes, one replica per machine, from
     the fits to the committed N sweep (at 1, 16 and 64 MiB unless it names a size)."""
-    cost_model = _benchmark("cost_model")
-    rows = _records("docs/benchmarks/collective_sweep.jsonl")
-    text = _page("docs/guide/benchmarks.md")
+    cost_model = committed.benchmark("cost_model")
+    rows = committed.records("docs/benchmarks/collective_sweep.jsonl")
+    text = committed.page("docs/guide/benchmarks.md")
     fitted = {engine: cost_model.fit([r for r in rows if r["engine"] == engine], 2) for engine in ("workers", "local")}
 
     def ratios(engine, replicas, sizes=(1, 16, 64)):
@@ -156,10 +156,10 @@ def test_the_cluster_guides_link_tables_are_their_records():
     both forms (ratios, milliseconds), as its record in
     `docs/cluster/collective_links.jsonl` gives it. (Those records predate the
     provenance fields; the guide names their commands and date.)"""
-    text = _page("docs/guide/cluster.md", collapse=False)
+    text = committed.page("docs/guide/cluster.md", collapse=False)
     names = {"workers": "worker processes", "mpi": "mpirun"}
     rows = {}
-    for r in _records("docs/cluster/collective_links.jsonl"):
+    for r in committed.records("docs/cluster/collective_links.jsonl"):
         rows.setdefault((r["engine"], r["replicas"], r["link"]), {})[r["bytes"] >> 20] = r
     assert len(rows) == 10, sorted(rows)
     for (engine, n, _), by_size in rows.items():
@@ -178,15 +178,15 @@ def test_the_cluster_guides_link_tables_are_their_records():
 
 def test_the_training_step_table_is_its_records():
     """The guide's training-step ratios are the committed runs', in order."""
-    rows = _records("docs/benchmarks/optimizer_step.jsonl")
+    rows = committed.records("docs/benchmarks/optimizer_step.jsonl")
     assert all({"date", "commit", "processor", "command"} <= set(r) for r in rows)
-    text = _page("docs/guide/benchmarks.md", collapse=False)
+    text = committed.page("docs/guide/benchmarks.md", collapse=False)
     for model, name in (("lenet5", "LeNet-5"), ("mlp10m", "10M MLP")):
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r["model"] == model)
         assert f"| {name} | {ratios} |" in text, (model, ratios)
     assert rows[0]["command"] in text and rows[0]["date"][:10] in text
     spans = {m: sorted(r["ratio"] for r in rows if r["model"] == m) for m in ("lenet5", "mlp10m")}
-    readme = _page("README.md")
+    readme = committed.page("README.md")
     lenet, mlp = (f"{spans[m][0]:.2f}-{spans[m][-1]:.2f}x" for m in ("lenet5", "mlp10m"))
     assert f"LeNet-5 {lenet}, a 10M-parameter MLP {mlp}" in readme, (lenet, mlp)
 
@@ -194,9 +194,9 @@ def test_the_training_step_table_is_its_records():
 def test_the_soak_table_is_its_records():
     """Each configuration's row is its `soak_summary` record (the worst
     process), and every process ended with the same result."""
-    summaries = [r for r in _records("docs/benchmarks/soak.jsonl") if r["benchmark"] == "soak_summary"]
+    summaries = [r for r in committed.records("docs/benchmarks/soak.jsonl") if r["benchmark"] == "soak_summary"]
     assert len(summaries) == 4 and all({"date", "commit", "processor", "command"} <= set(r) for r in summaries)
-    text = _page("docs/guide/benchmarks.md", collapse=False)
+    text = committed.page("docs/guide/benchmarks.md", collapse=False)
     for r in summaries:
         assert r["same_result_everywhere"], r
         row = (
@@ -215,10 +215,10 @@ def _span(values, unit=""):
 def test_the_collectives_prose_quotes_its_records():
     """The ranges the benchmarks guide quotes beside its loopback tables are
     the records' own."""
-    text = _page("docs/guide/benchmarks.md")
-    loopback = _records("docs/benchmarks/collective_loopback.jsonl")
+    text = committed.page("docs/guide/benchmarks.md")
+    loopback = committed.records("docs/benchmarks/collective_loopback.jsonl")
     assert f"about half its floor ({_span([r['ratio_to_floor'] for r in loopback])})" in text
-    sweep = _records("docs/benchmarks/collective_sweep.jsonl")
+    sweep = committed.records("docs/benchmarks/collective_sweep.jsonl")
     assert f"within {_span([r['ratio_to_floor'] for r in sweep])} of its floor" in text
     local_1mib = [r["ratio"] for r in sweep if r["engine"] == "local" and r["bytes"] == 1 << 20]
     assert f"on 2-16 local devices ({_span(local_1mib, 'x')})" in text
@@ -227,22 +227,22 @@ def test_the_collectives_prose_quotes_its_records():
         for engine in ("local", "workers")
     }
     assert f"costs {_span(large['local'], 'x')} the ring on local devices and {_span(large['workers'], 'x')}" in text
-    compressed = _records("docs/benchmarks/collective_compressed.jsonl")
+    compressed = committed.records("docs/benchmarks/collective_compressed.jsonl")
     workers = [r["ratio_compressed"] for r in compressed if r["engine"] == "workers"]
     local = {r["replicas"]: f"{r['ratio_compressed']:.2f}x" for r in compressed if r["engine"] == "local"}
     assert f"the float16 wire was {_span(workers, 'x')} slower than full width; on local devices {local[2]}" in text
     assert f"and {local[4]} (N = 4)" in text
     over = {True: {}, False: {}}  # over TF collective ops, or the socket transport: N -> ratio_to_floor
-    for r in _records("docs/benchmarks/collective_tf_collective_ops.jsonl"):
+    for r in committed.records("docs/benchmarks/collective_tf_collective_ops.jsonl"):
         over[r["command"].startswith("TF_ADASUM_WORKER_TRANSPORT=collective ")][r["replicas"]] = r["ratio_to_floor"]
     tf_ops, sockets = over[True], over[False]
     assert (
         f"Over TensorFlow's collective ops Adasum took {tf_ops[2]:.2f} (N = 2) and {tf_ops[4]:.2f} (N = 4) "
         f"times its floor, with the socket transport {sockets[2]:.2f} and {sockets[4]:.2f}" in text
     ), over
-    design = _page("docs/guide/design.md")
+    design = committed.page("docs/guide/design.md")
     assert f"Adasum is still at {tf_ops[2]:.2f} and {tf_ops[4]:.2f} times its floor" in design, tf_ops
-    engines = _page("docs/guide/engines.md")
+    engines = committed.page("docs/guide/engines.md")
     across = [r["ratio"] for r in loopback if r["engine"] == "workers"]
     assert f"over this transport takes {_span(across, 'x')} the time of the strategy's own all-reduce" in engines
     assert f"made Adasum {_span(workers, 'x')} slower than full width" in engines
@@ -257,7 +257,6 @@ PREDATING_PROVENANCE = {
     "docs/cluster/collective_links.jsonl": {"date", "commit", "processor", "command"},
     "docs/cluster/training_links.jsonl": {"processor extension"},
     "docs/cluster/training_links_accuracy.jsonl": {"processor extension"},
-    "docs/eval_edge/lamb_recipe.jsonl": {"processor"},
     "docs/eval_edge/results.jsonl": {"commit", "processor", "command"},
     "docs/eval_paper/results.jsonl": {"commit", "processor", "command"},
     "docs/eval_replicas/results.jsonl": {"commit", "processor", "command"},
@@ -286,7 +285,7 @@ def test_every_committed_record_names_its_date_commit_processor_and_command():
         for name in files:
             if name.endswith(".jsonl"):
                 path = os.path.relpath(os.path.join(folder, name), ROOT)
-                rows = _records(path)
+                rows = committed.records(path)
                 summaries = {(r["engine"], r["processes"]) for r in rows if r.get("benchmark") == "soak_summary"}
                 found[path] = set().union(
                     *(
@@ -299,7 +298,7 @@ def test_every_committed_record_names_its_date_commit_processor_and_command():
     lacking = {path: fields for path, fields in found.items() if fields}
     assert lacking == PREDATING_PROVENANCE
     # The benchmarks guide lists the same files (a glob may name several).
-    text = _page("docs/guide/benchmarks.md", collapse=False)
+    text = committed.page("docs/guide/benchmarks.md", collapse=False)
     start = text.index("**Records made before their provenance fields.**")
     named = set(re.findall(r"`(docs/[^`]+\.jsonl)`", text[start : text.index("\nProcess engines", start)]))
     assert all(any(fnmatch.fnmatch(path, name) for name in named) for path in lacking), (sorted(lacking), named)
@@ -310,9 +309,9 @@ def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
     """The bullets beside the table of the pipelined trees on the AVX-512
     processor: its ranges per engine, N and link, and the 2026-12-06
     non-pipelined rows they are compared with."""
-    text = _page("docs/guide/cluster.md")
-    rows = _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
-    before = _records("docs/cluster/collective_links.jsonl")
+    text = committed.page("docs/guide/cluster.md")
+    rows = committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    before = committed.records("docs/cluster/collective_links.jsonl")
 
     def ratios(records, key="ratio_to_link_floor", unit="", **match):
         return _span([r[key] for r in records if all(r[k] in v for k, v in match.items())], unit)
@@ -344,9 +343,9 @@ def test_the_readmes_cluster_figures_are_the_pipelined_records():
     """The README's 1 Gbit/s line: every row of the pipelined trees at N = 2
     and 4 (the worker rows before the pipelining, commit 7962123, left out),
     and the bfloat16 wire's speed-up of 2026-12-06 at N = 2 and 4."""
-    readme = _page("README.md")
-    rows = _records("docs/cluster/collective_links_pipelined.jsonl")
-    rows += _records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    readme = committed.page("README.md")
+    rows = committed.records("docs/cluster/collective_links_pipelined.jsonl")
+    rows += committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     after = [r for r in rows if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
     runs = {(r["command"], r["commit"], r["date"][:16]) for r in after}
     assert len({r["date"][:10] for r in after}) == 1, "the README names one date"
@@ -355,7 +354,11 @@ def test_the_readmes_cluster_figures_are_the_pipelined_records():
     ahead = [r for r in after if r["ratio_to_link_floor"] < r["native_ratio_to_link_floor"]]
     behind = max(r["ratio_to_link_floor"] - r["native_ratio_to_link_floor"] for r in after)
     ratios = {n: _span([r["ratio_to_link_floor"] for r in after if r["replicas"] == n], "x") for n in (2, 4)}
-    before = [r for r in _records("docs/cluster/collective_links.jsonl") if r["link"] == "1gbit" and r["replicas"] < 8]
+    before = [
+        r
+        for r in committed.records("docs/cluster/collective_links.jsonl")
+        if r["link"] == "1gbit" and r["replicas"] < 8
+    ]
     quoted = (
         f"({after[0]['date'][:10]}, {len(after)} rows of {len(runs)} runs on {count} processors)",
         f"Adasum took {ratios[2]} the link floor 2(N-1)/N x S / B at N = 2 and {ratios[4]} at N = 4",

@@ -395,7 +395,7 @@ def _run_grid(args, plan: _Plan) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
-    args.command = " ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)])
+    args.command = provenance.with_path_variables(" ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)]))
     try:
         plan = check_inputs(args)
     except InputError as error:

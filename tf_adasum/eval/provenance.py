@@ -13,7 +13,9 @@ documentation can be traced to the code and the machine that produced it:
   vector extension it offers (``AVX-512``, ``AVX2`` or ``no AVX2``), which is
   what the dot products' speed depends on (elsewhere, the architecture);
 * ``command``: the command line, as a user would type it from the
-  repository's root.
+  repository's root, preceded by the variables of `PATH_VARIABLES` that are
+  set (``TF_ADASUM_WORKER_TRANSPORT=collective python ...``): they choose
+  which code path the run measured.
 
 Standard library only.
 
@@ -34,7 +36,7 @@ import shlex
 import subprocess
 import sys
 
-__all__ = ["command_line", "commit", "fields", "processor", "vector_extension"]
+__all__ = ["PATH_VARIABLES", "command_line", "commit", "fields", "processor", "vector_extension", "with_path_variables"]
 
 #: The repository's root (the folder above the package).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,11 +109,33 @@ def processor() -> str:
     return f"{name}, {vector_extension(flags)}"
 
 
+#: The environment variables that choose the code a run takes: the CPU
+#: kernels (`tf_adasum.ops`), the native MPI ops (`tf_adasum.engines.mpi_native`)
+#: and the transport between worker processes (`tf_adasum.comm.socket_setup`).
+PATH_VARIABLES = ("TF_ADASUM_CPU_KERNELS", "TF_ADASUM_MPI_NATIVE", "TF_ADASUM_WORKER_TRANSPORT")
+
+
+def with_path_variables(command: str, environ=None) -> str:
+    """`command` preceded by each of `PATH_VARIABLES` set in `environ`
+    (default ``os.environ``), as a shell would take them.
+
+    Examples:
+        >>> with_path_variables("python benchmarks/collective.py", {"TF_ADASUM_WORKER_TRANSPORT": "collective"})
+        'TF_ADASUM_WORKER_TRANSPORT=collective python benchmarks/collective.py'
+        >>> with_path_variables("tf-adasum eval --preset quick", {})
+        'tf-adasum eval --preset quick'
+    """
+    environ = os.environ if environ is None else environ
+    prefix = [f"{name}={shlex.quote(environ[name])}" for name in PATH_VARIABLES if name in environ]
+    return " ".join([*prefix, command])
+
+
 def command_line(script: str | None = None, args: list[str] | None = None) -> str:
     """The command line of `script` (default ``sys.argv[0]``) with `args`
     (default ``sys.argv[1:]``, as a ``main(argv=None)`` passes them on) as
     typed from the repository's root: ``python``, then the script's path
-    relative to it.
+    relative to it; preceded by the `PATH_VARIABLES` that are set
+    (`with_path_variables`).
 
     Examples:
         >>> command_line(os.path.join(ROOT, "benchmarks", "collective.py"), ["--engine", "mpi"])
@@ -121,7 +145,7 @@ def command_line(script: str | None = None, args: list[str] | None = None) -> st
     args = sys.argv[1:] if args is None else args
     if os.path.isabs(script) and script.startswith(ROOT + os.sep):
         script = os.path.relpath(script, ROOT)
-    return shlex.join(["python", script, *args])
+    return with_path_variables(shlex.join(["python", script, *args]))
 
 
 def fields(command: str | None = None) -> dict[str, str]:
