@@ -257,3 +257,135 @@ def test_the_lamb_rate_is_its_records():
     assert all(r["processor"] == "AMD EPYC, AVX-512" for r in rows.values())
     section = _section("docs/guide/evaluation.md", "LAMB's base rate in the `edge` preset", "### The learning rate")
     assert quoted in section, (quoted, section)
+
+
+def _reached(r):
+    """A run's epochs to the target as the tables show them."""
+    return str(r["epochs_until_convergence"]) if r["epochs_until_convergence"] > 0 else f"not within {r['epochs']}"
+
+
+def quick_table(rows):
+    """evaluation.md's quick-preset table: per effective batch (the first row
+    of each shows its split), each combiner's epochs to the target and best
+    accuracy, in record order."""
+    target = f"{100 * rows[0]['target']:g}%"
+    lines = [f"| combiner | eff. batch ({rows[0]['replicas']} x b) | epochs to {target} | best acc |"]
+    lines.append("|---|---|---|---|")
+    shown = set()
+    for r in rows:
+        batch = str(r["effective_batch"])
+        if batch not in shown:
+            shown.add(batch)
+            batch += f" ({r['replicas']} x {r['batch_per_replica']})"
+        lines.append(f"| {r['combiner']} | {batch} | {_reached(r)} | {r['best_acc']:.4f} |")
+    return "\n".join(lines)
+
+
+def recipe_table(rows):
+    """evaluation.md's recipe table: per seed, the accuracy after each epoch
+    (bold at the first at the target), that epoch, and the best."""
+    target = f"{100 * rows[0]['target']:g}%"
+    lines = [f"| seed | test accuracy after epochs 1-{rows[0]['epochs']} | first epoch at {target} | best |"]
+    lines.append("|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        first = r["epochs_until_convergence"]
+        curve = " ".join(f"**{a:.4f}**" if e == first else f"{a:.4f}" for e, a in enumerate(r["accuracy_per_epoch"], 1))
+        lines.append(f"| {r['seed']} | {curve} | {first if first > 0 else '-'} | {r['best_acc']:.4f} |")
+    return "\n".join(lines)
+
+
+#: The across-processes table's engine cells.
+PROCESS_ENGINES = {"tf-collective": "tf-collective ({} workers)", "mpi": "mpi ({} ranks)"}
+
+
+def processes_table(rows):
+    """evaluation.md's "Across processes" table: per engine and combiner, the
+    epochs to the target, the range of seconds per epoch after the first
+    (which includes the start-up), the score and the best accuracy."""
+    target = f"{100 * rows[0]['target']:g}%"
+    lines = [f"| engine | combiner | epochs to {target} | s/epoch (after the first) | score (min) | best acc |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in rows:
+        low, high = (f"{f(r['seconds_per_epoch'][1:]):.1f}" for f in (min, max))
+        lines.append(
+            f"| {PROCESS_ENGINES[r['engine']].format(r['replicas'])} | {r['combiner']} | {_reached(r)} | "
+            f"{low if low == high else f'{low}-{high}'} | {metrics.format_score(r['score'])} | {r['best_acc']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def quick_figures(rows):
+    """The figures evaluation.md's quick-preset prose quotes, by what they say."""
+    by = {(r["combiner"], r["effective_batch"]): r for r in rows}
+    batches = sorted({r["effective_batch"] for r in rows})
+    combiners = list(dict.fromkeys(r["combiner"] for r in rows))
+    largest = {c: max((b for b in batches if by[c, b]["epochs_until_convergence"] > 0), default=0) for c in combiners}
+    small, middle, large = batches
+
+    def best(c, b):
+        return f"{100 * by[c, b]['best_acc']:.2f}%"
+
+    def minutes(c, b):
+        return f"{by[c, b]['minutes_per_epoch']:.2f}"
+
+    return {
+        "train": f"{sum(sum(r['seconds_per_epoch']) for r in rows):.0f} s of it in the runs' epochs",
+        "largest": ", ".join(f"{c} {largest[c] or 'none'}" for c in combiners),
+        "minutes": ", ".join(f"{c} {_listed([minutes(c, b) for b in batches])}" for c in combiners)
+        + f" at effective batch {_listed(batches)}",
+        "adasum against keras": (
+            f"{by['adasum', small]['epochs_until_convergence']} epochs against "
+            f"{by['keras', small]['epochs_until_convergence']} at {small}; best {best('adasum', middle)} against "
+            f"{best('keras', middle)} at {middle} and {best('adasum', large)} against {best('keras', large)} at {large}"
+        ),
+        "keras-scaled": (
+            f"{best('keras-scaled', middle)} at epoch {by['keras-scaled', middle]['epochs_until_convergence']} at "
+            f"{middle}, {best('keras-scaled', large)} at {large}"
+        ),
+    }
+
+
+def test_the_quick_preset_is_its_records():
+    """evaluation.md's quick preset: the table and the prose's figures from
+    `docs/eval_quick/results.jsonl`, made by `tf-adasum eval` with no preset."""
+    rows = committed.records("docs/eval_quick/results.jsonl")
+    text = _section("docs/guide/evaluation.md", "### Quick preset", "\n### ")
+    assert all(r["command"] == "tf-adasum eval --out docs/eval_quick" for r in rows)
+    assert {r["processor"] for r in rows} == {"AMD EPYC, AVX-512"} and rows[0]["date"][:10] in text
+    assert " ".join(quick_table(rows).split()) in text
+    for figure in quick_figures(rows).values():
+        assert figure in text, figure
+
+
+def test_the_recipe_is_its_records():
+    """evaluation.md's recipe at one replica: the table and the epochs and
+    accuracies its prose quotes, from `docs/eval_recipe/results.jsonl`."""
+    rows = committed.records("docs/eval_recipe/results.jsonl")
+    text = _section("docs/guide/evaluation.md", "### The recipe at one replica", "\n### ")
+    assert {r["command"] for r in rows} == {"tf-adasum eval --preset recipe --no-stop --out docs/eval_recipe"}
+    assert sorted(r["seed"] for r in rows) == [0, 1, 2] and rows[0]["date"][:10] in text
+    assert " ".join(recipe_table(rows).split()) in text
+    epochs = sorted(r["epochs_until_convergence"] for r in rows)
+    best = sorted(r["best_acc"] for r in rows)
+    assert f"reaches 99.3% by epoch {epochs[-1]} and peaks at {100 * best[0]:.2f}-{100 * best[-1]:.2f}%" in text
+    results = _section("docs/guide/evaluation.md", "## Results", "\n### ")
+    assert f"reached 99.3% at epochs {_listed(epochs)} (the recipe preset, below)" in results
+
+
+def test_the_runs_across_processes_are_their_records():
+    """evaluation.md's "Across processes": the table and the epochs its prose
+    quotes, from `docs/eval_processes/results.jsonl` (both commands')."""
+    rows = committed.records("docs/eval_processes/results.jsonl")
+    text = _section("docs/guide/evaluation.md", "### Across processes", "\n## ")
+    assert all(r["command"].replace(" --resume", "") in text.replace(" \\ ", " ") for r in rows)
+    assert rows[0]["date"][:10] in text and " ".join(processes_table(rows).split()) in text
+    by = {r["combiner"]: r for r in rows if r["engine"] == "tf-collective"}
+    mpi = {r["combiner"]: r for r in rows if r["engine"] == "mpi"}
+    quoted = (
+        f"({by['adasum']['epochs_until_convergence']} against {by['keras']['epochs_until_convergence']})",
+        f"in {mpi['adasum']['epochs_until_convergence']} epochs under mpirun, where `mean` does not reach it "
+        f"within {mpi['mean']['epochs']}",
+    )
+    assert mpi["mean"]["epochs_until_convergence"] < 0
+    for figure in quoted:
+        assert figure in text, figure
