@@ -13,14 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def records(path) -> list[dict]:
     """The JSON objects of a JSON-lines file, `path` relative to the
-    repository's root (blank lines skipped)."""
+    repository's root or absolute (blank lines skipped)."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def page(path, collapse: bool = True) -> str:
-    """A page's text, its whitespace collapsed (the guides wrap their
-    paragraphs) unless `collapse` is false."""
+    """A page's (or any text file's) text, `path` relative to the
+    repository's root or absolute, its whitespace collapsed (the guides wrap
+    their paragraphs) unless `collapse` is false."""
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         text = f.read()
     return " ".join(text.split()) if collapse else text

@@ -2,6 +2,7 @@
 rebuilds a table (or the figures a paragraph quotes) from the JSON-lines
 records, formatted as the page formats them, and finds it in the page."""
 
+import csv
 import os
 import statistics
 
@@ -350,7 +351,7 @@ def test_the_quick_preset_is_its_records():
     `docs/eval_quick/results.jsonl`, made by `tf-adasum eval` with no preset."""
     rows = committed.records("docs/eval_quick/results.jsonl")
     text = _section("docs/guide/evaluation.md", "### Quick preset", "\n### ")
-    assert all(r["command"] == "tf-adasum eval --out docs/eval_quick" for r in rows)
+    assert {r["command"] for r in rows} == {"tf-adasum eval --out docs/eval_quick"} and rows[0]["command"] in text
     assert {r["processor"] for r in rows} == {"AMD EPYC, AVX-512"} and rows[0]["date"][:10] in text
     assert " ".join(quick_table(rows).split()) in text
     for figure in quick_figures(rows).values():
@@ -363,6 +364,7 @@ def test_the_recipe_is_its_records():
     rows = committed.records("docs/eval_recipe/results.jsonl")
     text = _section("docs/guide/evaluation.md", "### The recipe at one replica", "\n### ")
     assert {r["command"] for r in rows} == {"tf-adasum eval --preset recipe --no-stop --out docs/eval_recipe"}
+    assert rows[0]["command"] in text
     assert sorted(r["seed"] for r in rows) == [0, 1, 2] and rows[0]["date"][:10] in text
     assert " ".join(recipe_table(rows).split()) in text
     epochs = sorted(r["epochs_until_convergence"] for r in rows)
@@ -377,7 +379,7 @@ def test_the_runs_across_processes_are_their_records():
     quotes, from `docs/eval_processes/results.jsonl` (both commands')."""
     rows = committed.records("docs/eval_processes/results.jsonl")
     text = _section("docs/guide/evaluation.md", "### Across processes", "\n## ")
-    assert all(r["command"].replace(" --resume", "") in text.replace(" \\ ", " ") for r in rows)
+    assert all(r["command"] in text.replace(" \\ ", " ") for r in rows)
     assert rows[0]["date"][:10] in text and " ".join(processes_table(rows).split()) in text
     by = {r["combiner"]: r for r in rows if r["engine"] == "tf-collective"}
     mpi = {r["combiner"]: r for r in rows if r["engine"] == "mpi"}
@@ -389,3 +391,21 @@ def test_the_runs_across_processes_are_their_records():
     assert mpi["mean"]["epochs_until_convergence"] < 0
     for figure in quoted:
         assert figure in text, figure
+
+
+def test_every_committed_csv_holds_the_runs_of_its_records():
+    """A committed evaluation folder's `results.csv` is `summary.write_csv` of
+    every record in its `results.jsonl`, whichever commands wrote them."""
+    folders = [f for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.startswith("eval_")]
+    checked = 0
+    for folder in folders:
+        path = os.path.join(ROOT, "docs", folder, "results.csv")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", newline="") as f:
+                rows = list(csv.DictReader(f))
+            records = committed.records(os.path.join("docs", folder, "results.jsonl"))
+            assert [(r["combiner"], r["engine"], r["effective_batch"], r["seed"]) for r in rows] == [
+                (r["combiner"], r["engine"], str(r["effective_batch"]), str(r["seed"])) for r in records
+            ], folder
+            checked += 1
+    assert checked >= 4, folders

@@ -557,6 +557,8 @@ def test_timing_models(tmp_path, capsys):
 
     assert record["params"] == sum(int(np.prod(w.shape)) for w in build("bert").trainable_weights)
     assert record["seconds_per_step"] > 0 and record["combine_seconds"] > 0
+    assert record["command"] == "tf-adasum eval " + " ".join(argv) and record["date"]  # provenance, as every record
+    assert record["processor"] == provenance.processor() and "commit" in record
     share = min(record["combine_seconds"] / record["seconds_per_step"], 1.0)
     assert record["communication_share"] == pytest.approx(share)
     out = capsys.readouterr().out

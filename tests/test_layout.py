@@ -21,6 +21,7 @@ LAYERS = {
     "ops": 1,
     "combiners": 2,
     "tree.buckets": 2.75,  # over ops: below the tree
+    "tree.communicator": 2.5,  # the interface the tree asks of a transport (TF only): below both
     "tree.topology": 2.75,  # which ranks meet at which level (over reference): below the tree
     "tree.exchanges": 2.875,  # how one process's ranks reach their partners: over tree.topology
     "tree.rvh": 3,

@@ -4,10 +4,12 @@ real run of benchmarks/collective.py, carry them."""
 
 import datetime
 import fnmatch
+import itertools
 import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ import committed
 import pytest
 from multiprocess import worker_env
 
-from tf_adasum.eval import provenance
+from tf_adasum.eval import cli, provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_CHECKOUT = os.path.exists(os.path.join(ROOT, ".git"))
@@ -65,6 +67,48 @@ def test_the_vector_extension_is_the_widest_offered():
     assert provenance.vector_extension({"avx", "avx2"}) == "AVX2"
     assert provenance.vector_extension({"avx"}) == "no AVX2"
     assert provenance.vector_extension(set()) == "no AVX2"
+
+
+#: The package's other TF_ADASUM_* variables: where files go, deadlines, ports,
+#: and what the launcher tells its workers; none chooses the code a run measures.
+NOT_PATH_VARIABLES = {
+    "TF_ADASUM_CACHE_DIR",
+    "TF_ADASUM_ELASTIC_ROUND",
+    "TF_ADASUM_EMULATED_HOSTS",
+    "TF_ADASUM_LOGICAL_REPLICAS",
+    "TF_ADASUM_MPI_TIMEOUT",
+    "TF_ADASUM_WORKER_PORT_OFFSET",
+}
+
+
+def test_every_variable_of_the_package_is_a_path_variable_or_not():
+    """A new TF_ADASUM_* variable must be sorted here: one that chooses the
+    code a run takes goes into `PATH_VARIABLES`, so records name it."""
+    package = os.path.join(ROOT, "tf_adasum")
+    named = set()
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                source = committed.page(os.path.join(folder, name), collapse=False)
+                named |= set(re.findall(r"[\"'](TF_ADASUM_[A-Z0-9_]+)[\"']", source))
+    assert set(provenance.PATH_VARIABLES).isdisjoint(NOT_PATH_VARIABLES)
+    assert named == set(provenance.PATH_VARIABLES) | NOT_PATH_VARIABLES, sorted(named)
+
+
+def test_the_evaluations_command_names_the_path_variables(monkeypatch):
+    for name in provenance.PATH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.command_of(["--preset", "quick", "--out", "a b"]) == "tf-adasum eval --preset quick --out 'a b'"
+    monkeypatch.setenv("TF_ADASUM_MPI_NATIVE", "0")
+    assert cli.command_of(["--engine", "mpi"]) == "TF_ADASUM_MPI_NATIVE=0 tf-adasum eval --engine mpi"
+
+
+def _path_variables(command):
+    """The ``NAME=VALUE`` words before a record's command, as a dict."""
+    words = shlex.split(command)
+    return dict(
+        word.split("=", 1) for word in itertools.takewhile(lambda w: re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", w), words)
+    )
 
 
 def test_a_benchmark_record_carries_its_provenance():
@@ -234,7 +278,8 @@ def test_the_collectives_prose_quotes_its_records():
     assert f"and {local[4]} (N = 4)" in text
     over = {True: {}, False: {}}  # over TF collective ops, or the socket transport: N -> ratio_to_floor
     for r in committed.records("docs/benchmarks/collective_tf_collective_ops.jsonl"):
-        over[r["command"].startswith("TF_ADASUM_WORKER_TRANSPORT=collective ")][r["replicas"]] = r["ratio_to_floor"]
+        transport = _path_variables(r["command"]).get("TF_ADASUM_WORKER_TRANSPORT")
+        over[transport == "collective"][r["replicas"]] = r["ratio_to_floor"]
     tf_ops, sockets = over[True], over[False]
     assert (
         f"Over TensorFlow's collective ops Adasum took {tf_ops[2]:.2f} (N = 2) and {tf_ops[4]:.2f} (N = 4) "

@@ -14,7 +14,7 @@ from tf_adasum import combiners, reference
 from tf_adasum.comm.collective import TFCollectiveCommunicator
 from tf_adasum.engines.base import combine_with_communicators
 from tf_adasum.ops import BLOCK, Segments
-from tf_adasum.tree import buckets, topology
+from tf_adasum.tree import buckets, exchanges, topology
 
 B = BLOCK
 
@@ -68,6 +68,37 @@ def test_groups_with_fold():
     # N = 6: pairs (0,1), (2,3) fold; leaves are ranks 0, 2, 4, 5.
     assert topology.groups(6) == [(0, 1), (2, 3), (0, 2), (4, 5), (0, 4), (2, 5), (0, 2, 4, 5)]
     assert topology.groups(1) == []
+
+
+def test_levels_and_their_representatives():
+    assert [topology.num_levels(n) for n in (1, 2, 4, 6, 8)] == [0, 1, 2, 3, 3]
+    assert topology.level_representatives(4) == [[0, 2], [0]]
+    assert topology.level_representatives(6) == [[0, 2], [0, 4], [0]]  # the fold first
+    assert topology.pair(3, 1) == topology.pair(1, 3) == (1, 3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 12])
+def test_every_sum_group_is_one_of_the_groups(n):
+    """`sum_group`, which the driver sums a level's partials over, names a
+    group of `groups` (the MPI engine's sub-communicators) for every leaf."""
+    leaves, folded = reference.tree_shape(n)
+    made = set(topology.groups(n))
+    bit = 1
+    while bit < leaves:
+        for leaf in range(leaves):
+            group = topology.sum_group(leaf, bit, folded)
+            assert group in made and len(group) == 2 * bit, (n, leaf, bit, group)
+            assert topology.real_rank(leaf, folded) in group
+        bit <<= 1
+
+
+def test_pairwise_sum_adds_neighbours_first():
+    """(v0 + v1) + (v2 + v3), and an odd last value added at the end: the
+    order decides the bits where float64 rounds."""
+    values = [tf.constant([x], tf.float64) for x in (1e16, 1.0, -1e16, 1.0)]
+    assert exchanges.pairwise_sum(values).numpy()[0] == 0.0  # left to right would give 1.0
+    odd = [tf.constant([x], tf.float64) for x in (1.0, 1e16, -1e16)]
+    assert exchanges.pairwise_sum(odd).numpy()[0] == 0.0  # (1 + 1e16) - 1e16; 1 + (1e16 - 1e16) would give 1.0
 
 
 class CountingCommunicator:
@@ -232,6 +263,9 @@ def test_sum_float64_over_members(members, rng):
     for s in sums:
         assert s.tobytes() == sums[0].tobytes()  # bitwise the same on every member
     np.testing.assert_allclose(sums[0], values[list(members)].sum(0), rtol=1e-14)
+    if power_of_two:  # what a direct exchange computes in its place, bit for bit
+        local = exchanges.pairwise_sum([tf.constant(values[r]) for r in members])
+        assert local.numpy().tobytes() == sums[0].tobytes()
 
 
 def _adasum_with_partials(comms, per_rank):

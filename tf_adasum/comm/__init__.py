@@ -1,4 +1,4 @@
-"""Transports for the vector-halving driver (`tf_adasum.tree.rvh.Communicator`).
+"""Transports for the vector-halving driver (`tf_adasum.tree.communicator.Communicator`).
 
 `collective`: TensorFlow collective ops, for the devices of one process, GPUs,
 and worker processes of a TF cluster (their keys: `collective_keys`);

@@ -1,7 +1,7 @@
 """Compressed transport: 32- and 64-bit values travel as 16-bit floats.
 
 `Compressed` wraps any transport of the vector-halving driver (the
-`tf_adasum.tree.rvh.Communicator` protocol) and changes only what crosses the wire,
+`tf_adasum.tree.communicator.Communicator` protocol) and changes only what crosses the wire,
 as Horovod's ``Compression.fp16`` does for sums: every message of float32 or
 float64 values is sent as ``float16`` or ``bfloat16`` and widened back on
 arrival. The dot products, coefficients and scaled sums stay float64 on the
@@ -127,10 +127,10 @@ def round_trip(rows: tf.Tensor, wire: tf.DType) -> tf.Tensor:
 
 
 class Compressed:
-    """A `tf_adasum.tree.rvh.Communicator` whose float32/float64 messages travel as `wire`.
+    """A `tf_adasum.tree.communicator.Communicator` whose float32/float64 messages travel as `wire`.
 
     Args:
-      comm: the transport to wrap (any `tf_adasum.tree.rvh.Communicator`).
+      comm: the transport to wrap (any `tf_adasum.tree.communicator.Communicator`).
       wire: ``tf.float16`` or ``tf.bfloat16``.
     """
 

@@ -1,6 +1,6 @@
 """The vector-halving tree's steps over mpi4py (`tf_adasum.comm.mpi_transport`).
 
-`MPICommunicator` is one rank's `tf_adasum.tree.rvh.Communicator`: each step (a
+`MPICommunicator` is one rank's `tf_adasum.tree.communicator.Communicator`: each step (a
 swap, a gather, a level's float64 partial sums, a fold's send or receive) is
 one ``tf.numpy_function`` on the rank's `tf_adasum.comm.mpi_transport.Chain` (the
 portable path of `tf_adasum.engines.mpi`; the native op is the fast one).
@@ -72,7 +72,7 @@ def _steps_per_tree(rank: int, size: int) -> int:
 
 
 class MPICommunicator:
-    """One rank's `rvh.Communicator` over an mpi4py communicator.
+    """One rank's `tf_adasum.tree.communicator.Communicator` over an mpi4py communicator.
 
     Args:
       comm: the mpi4py communicator whose ranks take part (e.g. ``COMM_WORLD``).

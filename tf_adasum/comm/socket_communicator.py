@@ -1,6 +1,6 @@
 """The vector-halving tree's steps over a socket mesh (`tf_adasum.comm.sockets`).
 
-`SocketCommunicator` is one rank's `tf_adasum.tree.rvh.Communicator`: each step (a
+`SocketCommunicator` is one rank's `tf_adasum.tree.communicator.Communicator`: each step (a
 gather, a level's float64 partial sums, a fold's send or receive) is one
 ``tf.numpy_function``, and a swap one per piece (`swap_in_pieces`), that
 sends from the tensor's memory and receives into the result's (bytes,
@@ -49,7 +49,7 @@ def sum_steps(members: tuple[int, ...], rank: int) -> list[list[int]]:
 
 
 class SocketCommunicator:
-    """One rank's `tf_adasum.tree.rvh.Communicator` over a `tf_adasum.comm.sockets.Mesh`.
+    """One rank's `tf_adasum.tree.communicator.Communicator` over a `tf_adasum.comm.sockets.Mesh`.
 
     For trees whose ranks sit on CPUs, no two of one tree in the same process
     (a process may hold one rank of each of several trees). Each step's

@@ -36,6 +36,7 @@ from tf_adasum import combiners as combiners_lib
 from tf_adasum import ops
 from tf_adasum.tree import rvh, topology
 from tf_adasum.tree.buckets import make_buckets, pack, unpack
+from tf_adasum.tree.communicator import Communicator
 
 __all__ = [
     "SCOPES",
@@ -130,7 +131,7 @@ def regroup(components: Components, wrap_class=values_lib.Mirrored):
 
 def combine_with_communicators(
     values: list[Components],
-    comms: Sequence[rvh.Communicator],
+    comms: Sequence[Communicator],
     combiner: combiners_lib.Combiner,
     bytes_per_bucket: int = 0,
 ) -> tuple[list[Components], Components]:

@@ -334,6 +334,7 @@ def _run_timing(args, plan: _Plan) -> None:
     )
     for name, combiner, n, batch in grid:
         record = time_model(name, combiner, n, batch, devices, steps=args.timing_steps)
+        record = {**record, **provenance.fields(args.command)}  # its date, commit, processor and command
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         print(
@@ -376,9 +377,9 @@ def _run_grid(args, plan: _Plan) -> None:
         with open(results_path, mode, encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         mode = "a"
+    summary.write_csv(records, os.path.join(args.out, "results.csv"))  # every run in results.jsonl
     wanted = {c.key() for c in plan.configs}
-    selected = [r for r in records if summary.config_of(r).key() in wanted]
-    summary.write_csv(selected, os.path.join(args.out, "results.csv"))
+    selected = [r for r in records if summary.config_of(r).key() in wanted]  # this command's grid
     print()
     print(summary.format_table(selected))
     print()
@@ -392,10 +393,16 @@ def _run_grid(args, plan: _Plan) -> None:
         print(f"wrote {path}")
 
 
+def command_of(argv: list[str]) -> str:
+    """The command line a record names: ``tf-adasum eval`` and `argv`, after
+    the variables that chose the code it ran (`provenance.with_path_variables`)."""
+    return provenance.with_path_variables(" ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)]))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
-    args.command = provenance.with_path_variables(" ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)]))
+    args.command = command_of(argv)
     try:
         plan = check_inputs(args)
     except InputError as error:

@@ -58,9 +58,9 @@ MODES = ("delta", "gradient")
 #: al. 2020, layer-wise trust ratios), with Keras' default settings but the rate.
 INNER_OPTIMIZERS = ("adam", "lamb")
 #: Each inner optimizer's single-worker rate, the presets' ``lr``: Adam's 1e-3;
-#: LAMB's 3e-3, chosen as Adam's was: the recipe (one replica, batch 64,
-#: cosine, 10 epochs, seed 0) reached 99.3% at 3e-3 (epoch 4), not at 1e-3
-#: (best 99.27%) nor at 1e-2 (98.45% after one epoch, then lower).
+#: LAMB's 3e-3, chosen as Adam's was, on the recipe (one replica, batch 64,
+#: cosine, 10 epochs, seed 0) against 1e-3 and 1e-2: the evaluation guide's
+#: "Variants" section, records in docs/eval_edge/lamb_recipe.jsonl.
 BASE_LR = {"adam": 1e-3, "lamb": 3e-3}
 #: The learning-rate rule beside the combiner's own: ``""`` (the combiner's
 #: own: the base rate, or for ``keras-scaled`` its scaled peak and warm-up),

@@ -35,6 +35,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 
 __all__ = ["PATH_VARIABLES", "command_line", "commit", "fields", "processor", "vector_extension", "with_path_variables"]
 
@@ -115,7 +116,7 @@ def processor() -> str:
 PATH_VARIABLES = ("TF_ADASUM_CPU_KERNELS", "TF_ADASUM_MPI_NATIVE", "TF_ADASUM_WORKER_TRANSPORT")
 
 
-def with_path_variables(command: str, environ=None) -> str:
+def with_path_variables(command: str, environ: Mapping[str, str] | None = None) -> str:
     """`command` preceded by each of `PATH_VARIABLES` set in `environ`
     (default ``os.environ``), as a shell would take them.
 

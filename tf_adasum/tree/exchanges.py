@@ -1,6 +1,6 @@
 """How the ranks one `tf_adasum.tree.rvh.allreduce` call builds reach their
 partners: `Ranks` hands each exchange to a rank's communicator (a
-`tf_adasum.tree.rvh.Communicator`), or, where every member is built in this
+`tf_adasum.tree.communicator.Communicator`), or, where every member is built in this
 call and the communicator allows it (`Communicator.direct`), reads the
 partner's tensor where it lies; `pairwise_sum` is the fixed order in which a
 sum over ranks adds their values, whichever path it takes.
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tf_adasum.tree import topology
+from tf_adasum.tree.communicator import Communicator
 
 __all__ = ["Ranks", "pairwise_sum"]
 
@@ -25,7 +26,7 @@ class Ranks:
     keyed by the index of the rank's communicator; a direct exchange needs
     every member's entry in the same call."""
 
-    def __init__(self, comms: Sequence):
+    def __init__(self, comms: Sequence[Communicator]):
         self.comms = list(comms)
         index = {comm.rank: i for i, comm in enumerate(self.comms)}
         # Repeated ranks: one rank each of several trees (the cross-worker scope), never direct.
@@ -64,6 +65,8 @@ class Ranks:
         return self._each(inputs, topology.pair, direct, lambda comm, x, partner: comm.swap_halves(x, partner))
 
     def gather_pair(self, inputs: dict[int, tuple[tf.Tensor, int]]) -> dict[int, tf.Tensor]:
+        """Per rank, the concatenation of its pair's ``x`` (the lower member's
+        first), from ``{i: (x, partner)}``."""
         return self._each(
             inputs,
             topology.pair,
@@ -72,6 +75,9 @@ class Ranks:
         )
 
     def sum_float64(self, inputs: dict[int, tuple[tf.Tensor, tuple[int, ...]]]) -> dict[int, tf.Tensor]:
+        """Per rank, the elementwise sum of a small float64 ``x`` over its
+        `members` (sorted ranks), from ``{i: (x, members)}``: `pairwise_sum`
+        where every member is built here, else the communicator's."""
         return self._each(
             inputs,
             lambda rank, members: members,

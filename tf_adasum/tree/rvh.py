@@ -1,6 +1,7 @@
 """ADASUMRVH: the recursive vector-halving all-reduce, written once.
 
-The driver runs against a small `Communicator` per rank; each process calls it
+The driver runs against a small communicator per rank
+(`tf_adasum.tree.communicator.Communicator`); each process calls it
 once per bucket (a flat buffer laid out by `tf_adasum.tree.buckets`) with all
 the ranks it holds, whose parts of the graph it builds together (see
 `allreduce`). Beside it: the same tree over N buffers on one device
@@ -54,62 +55,11 @@ import tensorflow as tf
 from tf_adasum.ops import BLOCK, Segments
 from tf_adasum.reference import tree_shape, tree_with_blocks
 from tf_adasum.tree.buckets import Bucket
+from tf_adasum.tree.communicator import Communicator
 from tf_adasum.tree.exchanges import Ranks, pairwise_sum
-from tf_adasum.tree.topology import real_rank
+from tf_adasum.tree.topology import real_rank, sum_group
 
-__all__ = ["Communicator", "PairRule", "RecordFn", "allreduce", "reduce_on_one_device"]
-
-
-class Communicator(Protocol):
-    """What the vector-halving driver needs from a transport.
-
-    Members of a pair are ordered by rank: "member 0" is the lower rank.
-    Every rank must call these in the same order as its peers.
-    """
-
-    rank: int
-    size: int
-    device: str  # where this rank's computation is placed
-
-    def swap_halves(self, x: tf.Tensor, partner: int) -> tuple[tf.Tensor, tf.Tensor]:
-        """All-to-all with `partner`: row j of ``x`` ([2, m]) goes to member j;
-        returns what member 0 and member 1 sent to this rank (``[m]`` each;
-        this rank's own row may be a view of ``x``)."""
-
-    def gather_pair(self, x: tf.Tensor, partner: int) -> tf.Tensor:
-        """Concatenation of member 0's and member 1's ``x`` (1-D, same length)."""
-
-    def sum_float64(self, x: tf.Tensor, members: tuple[int, ...]) -> tf.Tensor:
-        """Elementwise sum of a small float64 tensor over `members` (sorted ranks)."""
-
-    def send(self, x: tf.Tensor, peer: int) -> tf.Tensor:
-        """Sends ``x`` to `peer`, which calls `recv` for it; returns ``x`` once sent
-        (use the returned tensor so that the send is part of the computation)."""
-
-    def recv(self, peer: int, like: tf.Tensor) -> tf.Tensor:
-        """Receives from `peer` a tensor of the shape and dtype of `like`."""
-
-    def direct(self, members: tuple[int, ...]) -> bool:
-        """Whether this rank may read the tensors of `members` (sorted ranks,
-        itself among them) where they lie instead of exchanging them: true
-        only where every member lives in this process and the driver builds
-        them all in one `allreduce` call. Every member must answer alike."""
-
-    # Optional, for a transport that moves the bytes itself (never direct;
-    # `tf_adasum.comm.socket_communicator.SocketCommunicator`):
-    #
-    # piece_bytes: int
-    #     > 0: every level's swap goes through `swap_in_pieces` instead of
-    #     `swap_halves`, in messages of about this many bytes (one where the
-    #     half is smaller than two), and each level but the last combines its
-    #     slice as two halves, the one sent next first.
-    #
-    # def swap_in_pieces(self, send, keep, partner, cuts) -> tuple[tf.Tensor, list[tf.Tensor], tf.Tensor]:
-    #     Sends `send` ([m], this rank's half for `partner`) and receives the
-    #     partner's half for this rank, both cut at the element offsets `cuts`;
-    #     returns `keep` (the half this rank keeps) as its peers would see it
-    #     had it travelled, the received pieces, each as soon as it has come,
-    #     and the whole received half ([m]).
+__all__ = ["PairRule", "RecordFn", "allreduce", "reduce_on_one_device"]
 
 
 class PairRule(Protocol):
@@ -263,8 +213,7 @@ def allreduce(
                 (a, b, segments[i] if at is None else bucket.segments(lo[i] + at[0], lo[i] + at[1]))
                 for a, b, at in pieces[i]
             ]
-            block_start = virtual[i] & ~(2 * bit - 1)
-            blocks[i] = tuple(real_rank(u, folded) for u in range(block_start, block_start + 2 * bit))
+            blocks[i] = sum_group(virtual[i], bit, folded)
         partials = _partials(ranks, pieces, blocks, rule, records, level)
         bit <<= 1
         level += 1

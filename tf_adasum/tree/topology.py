@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tf_adasum.reference import tree_shape
 
-__all__ = ["groups", "level_representatives", "num_levels", "pair", "real_rank"]
+__all__ = ["groups", "level_representatives", "num_levels", "pair", "real_rank", "sum_group"]
 
 
 def real_rank(virtual: int, folded: int) -> int:
@@ -24,6 +24,14 @@ def real_rank(virtual: int, folded: int) -> int:
 def pair(rank: int, peer: int) -> tuple[int, int]:
     """The pair of two ranks, the lower first (the pair's "member 0")."""
     return (rank, peer) if rank < peer else (peer, rank)
+
+
+def sum_group(leaf: int, bit: int, folded: int) -> tuple[int, ...]:
+    """The ranks over which the pair that tree leaf `leaf` belongs to at the
+    level of `bit` (2^k) sums its float64 partials: the real ranks of the
+    2 x `bit` leaves of its two subtrees, in leaf order."""
+    start = leaf & ~(2 * bit - 1)
+    return tuple(real_rank(u, folded) for u in range(start, start + 2 * bit))
 
 
 def groups(num_ranks: int) -> list[tuple[int, ...]]:
@@ -41,7 +49,7 @@ def groups(num_ranks: int) -> list[tuple[int, ...]]:
             if not v & bit:
                 result.append((real_rank(v, folded), real_rank(v | bit, folded)))
         for start in range(0, leaves, 2 * bit):
-            result.append(tuple(real_rank(u, folded) for u in range(start, start + 2 * bit)))
+            result.append(sum_group(start, bit, folded))
         bit <<= 1
     return list(dict.fromkeys(result))
 
