@@ -409,3 +409,59 @@ def test_every_committed_csv_holds_the_runs_of_its_records():
             ], folder
             checked += 1
     assert checked >= 4, folders
+
+
+def test_the_per_replica_batch_sweeps_findings_are_its_records():
+    """The figures of the bullets under evaluation.md's per-replica-batch
+    sweep ("What it shows"), each rebuilt from its records."""
+    rows = committed.records("docs/eval_paper/results.jsonl")
+    text = _section("docs/guide/evaluation.md", "### Per-replica-batch sweep", "\n### ")
+    run = {(_paper_name(r), r["effective_batch"]): r for r in rows}
+    small, middle, large, largest = sorted({r["effective_batch"] for r in rows})
+    averaging = ("adacons", "mean", "keras", "keras-scaled")
+
+    def epochs(name, batch):
+        return run[name, batch]["epochs_until_convergence"]
+
+    def best(name, batch):
+        return f"{100 * run[name, batch]['best_acc']:.2f}%"
+
+    def span(values, unit=""):
+        return f"{min(values):.2f}-{max(values):.2f}{unit}"
+
+    missed = [100 * run[n, middle]["best_acc"] for n in ("mean", "adacons", "keras")]
+    base_rate = [100 * run[n, large]["best_acc"] for n in ("adacons", "mean", "keras")]
+    assert all(epochs(n, middle) < 0 for n in ("mean", "adacons", "keras"))
+    assert epochs("adasum K=4", large) < 0 and epochs("keras-scaled", large) < 0
+    at_large = max(rows, key=lambda r: r["best_acc"] if r["effective_batch"] == large else 0)
+    assert _paper_name(at_large) == "adasum K=4"  # "the highest of the sweep there"
+    scores = {n: run[n, small]["score"] for n in averaging}
+    to_target = {n: run[n, middle]["score"] for n in ("keras-scaled", "adasum K=4", "adasum")}
+    assert min(to_target, key=to_target.get) == "keras-scaled" and run["adasum", small]["score"] < min(scores.values())
+    others = [run[n, small]["minutes_per_epoch"] for n in ("adasum", *averaging)]
+    closest = max(
+        abs(a - b)
+        for batch in (middle, large, largest)
+        for a, b in zip(run["adacons", batch]["accuracy_per_epoch"], run["mean", batch]["accuracy_per_epoch"])
+    )
+    assert closest < 0.001  # "within 0.001 at every epoch from 1024 on"
+    quoted = (
+        f"it reaches 99.3% in {epochs('adasum', small)} epochs at effective batch {small} (averaging: "
+        f"{min(epochs(n, small) for n in averaging)}-{max(epochs(n, small) for n in averaging)}) and in "
+        f"{epochs('adasum', middle)} at {middle}",
+        f"stop at {span(missed, '%')} within the budget",
+        f"At {large} its best is {best('adasum', large)} against {span(base_rate, '%')}",
+        f"reaches 99.3% at {middle} in {epochs('keras-scaled', middle)} epochs (Adasum {epochs('adasum', middle)})",
+        f"at {large} ({best('keras-scaled', large)} against {best('adasum', large)}) and {largest} "
+        f"({best('keras-scaled', largest)} against {best('adasum', largest)})",
+        f"{epochs('adasum K=4', middle)} epochs at {middle}, best {best('adasum K=4', large)} at {large}",
+        f"{best('adasum K=4', largest)} at {largest}",
+        f"Adasum's {epochs('adasum', small)} epochs make the best score ({run['adasum', small]['score']:.2f} min "
+        f"against {span(scores.values())})",
+        f"`keras-scaled` is fastest to the target ({to_target['keras-scaled']:.2f} min, Adasum K=4 "
+        f"{to_target['adasum K=4']:.2f}, Adasum {to_target['adasum']:.2f})",
+        f"({run['adasum K=4', small]['minutes_per_epoch']:.2f} min per epoch, against {span(others)} for the others)",
+        f"{len(rows)} runs, by the shell's clock",
+    )
+    for figure in quoted:
+        assert figure in text, figure

@@ -303,7 +303,6 @@ PREDATING_PROVENANCE = {
     "docs/cluster/training_links.jsonl": {"processor extension"},
     "docs/cluster/training_links_accuracy.jsonl": {"processor extension"},
     "docs/eval_edge/results.jsonl": {"commit", "processor", "command"},
-    "docs/eval_paper/results.jsonl": {"commit", "processor", "command"},
     "docs/eval_replicas/results.jsonl": {"commit", "processor", "command"},
 }
 
