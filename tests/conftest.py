@@ -13,6 +13,10 @@ NUM_LOGICAL_CPUS = 8
 
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS)
+# Start the runtime now, so that no code under test can change the devices (a test that
+# calls the evaluation's `logical_cpus(2)` first would otherwise leave 2 of them, and
+# the collective tests after it would wait for devices that no longer exist).
+tf.config.list_logical_devices("CPU")
 
 #: Collective timeout for tests: a bug fails the test instead of hanging it.
 TEST_TIMEOUT_SECONDS = 60.0
