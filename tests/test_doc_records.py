@@ -114,8 +114,7 @@ def test_the_chaos_run_is_its_record():
     )
     for figure in quoted:
         assert figure in text, figure
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = " ".join(f.read().split())
+    readme = committed.page("README.md")
     accuracy = f"{100 * r['chaos']['test_accuracy']:.2f}%"
     assert f"{len(kills)} SIGKILLs: bitwise the uninterrupted run, {accuracy})" in readme, accuracy
 
