@@ -25,7 +25,10 @@ Two transports (``--transport``, default both):
   ``--message-bytes`` bytes (0: one message per swap). By default each
   message's receive is posted just before its send; with
   ``--receives-first`` every receive of the swap is posted before the first
-  send.
+  send. Open MPI's waits poll the network without pause, which on emulated
+  hosts takes the shared cores from the ranks that have work; with
+  ``--yield-when-idle`` (Open MPI's ``mpi_yield_when_idle``) a waiting rank
+  yields its core, as a rank on a host of its own needs not.
 
 With ``--link RATE`` every process runs on an emulated host of its own
 (``tf-adasum launch --hosts N --link RATE``, with ``--mpirun`` for MPI), as
@@ -33,7 +36,7 @@ in `benchmarks/collective.py`. Times are the slowest rank's, per call, the
 median over ``--process-repeats`` calls after ``--process-warmup`` untimed
 ones, every call started together after a barrier. One JSON object per
 configuration: ``pattern``, ``transport``, ``replicas``, ``bytes``,
-``message_bytes`` and ``receives_first`` (mpi), ``ms``, and with ``--link``
+``message_bytes``, ``receives_first`` and ``yield_when_idle`` (mpi), ``ms``, and with ``--link``
 ``link``, ``link_floor_ms`` (halving: the collective's
 `link_floor_ms`) and ``ratio_to_link_floor``, or ``gbit_per_s`` (stream:
 8 S / ms, in 10^9 bits per second); and the run's ``date``, ``commit``,
@@ -44,7 +47,7 @@ cluster guide's table is that output; tests/test_doc_records.py checks).
 
 Usage: python benchmarks/bare_exchange.py [--pattern halving] [--transport sockets mpi]
        [--replicas 2 4] [--sizes 16777216] [--message-bytes 0 1048576 262144]
-       [--receives-first] [--process-repeats 11] [--process-warmup 3] [--link 1gbit]
+       [--receives-first] [--yield-when-idle] [--process-repeats 11] [--process-warmup 3] [--link 1gbit]
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ def _parse_args(argv=None):
         "--message-bytes", type=int, nargs="+", default=[0], help="mpi: the largest message of a swap (0: whole swaps)"
     )
     parser.add_argument("--receives-first", action="store_true", help="mpi: post every receive of a swap first")
+    parser.add_argument(
+        "--yield-when-idle", action="store_true", help="mpi: a waiting rank yields its core (mpi_yield_when_idle)"
+    )
     parser.add_argument("--process-repeats", type=int, default=11, help="timed calls per measurement")
     parser.add_argument("--process-warmup", type=int, default=3, help="untimed calls before the timed ones")
     parser.add_argument("--link", metavar="RATE", help="each process on an emulated host, links at RATE (e.g. 1gbit)")
@@ -151,6 +157,7 @@ def _spawn(transport, n, message_bytes, args):
         prefix = "[worker 0] "
     else:
         forwarded += ["--message-bytes", str(message_bytes)] + (["--receives-first"] if args.receives_first else [])
+        forwarded += ["--yield-when-idle"] if args.yield_when_idle else []
         if args.link:
             command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, "--mpirun", script]
             prefix = "[mpirun] "
@@ -160,7 +167,8 @@ def _spawn(transport, n, message_bytes, args):
             command = mpirun_command(n) + [sys.executable, script]
             prefix = ""
         command += ["--transport", "mpi-rank"]
-    result = subprocess.run(command + forwarded, capture_output=True, text=True)
+    env = {**os.environ, **({"OMPI_MCA_mpi_yield_when_idle": "1"} if args.yield_when_idle else {})}
+    result = subprocess.run(command + forwarded, capture_output=True, text=True, env=env)
     if result.returncode:
         raise SystemExit(f"{transport} with {n} processes failed:\n{(result.stdout + result.stderr)[-4000:]}")
     return [json.loads(line[len(prefix) :]) for line in result.stdout.splitlines() if line.startswith(prefix + "{")]
@@ -367,7 +375,11 @@ def _mpi_rank(args):
         times = _timed(lambda b=buffer: _mpi_call(args, comm, MPI, b), comm.Barrier, args)
         everyone = comm.gather(times, root=0)
         if comm.rank == 0:
-            extra = {"message_bytes": args.message_bytes[0], "receives_first": args.receives_first}
+            extra = {
+                "message_bytes": args.message_bytes[0],
+                "receives_first": args.receives_first,
+                "yield_when_idle": args.yield_when_idle,
+            }
             ms = _slowest_median_ms(everyone)
             print(json.dumps(_record(args, "mpi", comm.size, nbytes, ms, **extra)), flush=True)
 
@@ -396,6 +408,7 @@ TABLE_COLUMNS = (
         lambda r: "" if r["transport"] != "mpi" else _size(r["message_bytes"]) if r["message_bytes"] else "whole",
     ),
     ("receives", lambda r: "" if r["transport"] != "mpi" else "first" if r["receives_first"] else "before each send"),
+    ("idle ranks", lambda r: "" if r["transport"] != "mpi" else "yield" if r.get("yield_when_idle") else "poll"),
     ("link", lambda r: r.get("link", "")),
     ("ms", lambda r: f"{r['ms']:.3g}" if r["ms"] < 1000 else f"{r['ms']:.0f}"),
     ("ratio_to_link_floor", lambda r: f"{r['ratio_to_link_floor']:.2f}" if "ratio_to_link_floor" in r else ""),
