@@ -397,6 +397,10 @@ def _messages(record):
     return _size(record["message_bytes"]) if record["message_bytes"] else "whole"
 
 
+def _receives(record):
+    return "first" if record["receives_first"] else "before each send"
+
+
 #: The columns of `table`: (heading, how a record gives its cell).
 TABLE_COLUMNS = (
     ("pattern", lambda r: r["pattern"]),
@@ -407,7 +411,7 @@ TABLE_COLUMNS = (
         "messages",
         lambda r: "" if r["transport"] != "mpi" else _size(r["message_bytes"]) if r["message_bytes"] else "whole",
     ),
-    ("receives", lambda r: "" if r["transport"] != "mpi" else "first" if r["receives_first"] else "before each send"),
+    ("receives", lambda r: "" if r["pattern"] == "stream" or r["transport"] != "mpi" else _receives(r)),
     ("idle ranks", lambda r: "" if r["transport"] != "mpi" else "yield" if r.get("yield_when_idle") else "poll"),
     ("link", lambda r: r.get("link", "")),
     ("ms", lambda r: f"{r['ms']:.3g}" if r["ms"] < 1000 else f"{r['ms']:.0f}"),

@@ -30,8 +30,9 @@ __all__ = ["MESSAGE_BYTES", "MPICommunicator"]
 
 #: The most bytes one message of the tree carries, as in the native op
 #: (``kMaxMessageBytes`` in ``tf_adasum/native/adasum_mpi_ops.cc``): over TCP,
-#: Open MPI moves large messages far below a link's rate, and pieces of this
-#: size near it when each receive is posted just before its send.
+#: Open MPI moves large messages swapped both ways at once far below a link's
+#: rate, and pieces of this size nearest it when each receive is posted just
+#: before its send (``benchmarks/bare_exchange.py``).
 MESSAGE_BYTES = 256 << 10
 
 _TAG_EXCHANGE, _TAG_FOLD = 0, 1

@@ -72,11 +72,12 @@ constexpr int kTagFold = 27104;
 constexpr int kTagFoldBack = 27105;
 constexpr int kTagLayout = 27106;
 
-// The most bytes one message carries. Over TCP, Open MPI moves a large
-// message far below the link's rate: the halving levels' exchanges of 16 MiB
-// on 4 emulated hosts with 1 Gbit/s links (2026-12-06, mpi4py) took 1.9-2.1x
-// the link's time as whole messages, 1.22x in 1 MiB messages and 1.14x in
-// 256 KiB ones, each receive posted just before its send (see Transfer).
+// The most bytes one message carries. Over TCP, Open MPI moves large
+// messages swapped both ways at once far below the link's rate: the tree's
+// exchanges take about twice the link's time as whole messages on emulated
+// 1 Gbit/s links, and least in 256 KiB ones, each receive posted just before
+// its send (see Transfer; the figures are benchmarks/bare_exchange.py's, in
+// docs/guide/cluster.md, "The wire alone").
 constexpr int64_t kMaxMessageBytes = int64_t{256} << 10;
 
 // ---------------------------------------------------------------------------

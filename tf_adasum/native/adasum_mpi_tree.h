@@ -284,9 +284,9 @@ class Tree {
     Status described = into == nullptr ? absl::OkStatus() : exchange->receive.Describe(*into, take_lo, take_hi);
     if (described.ok() && from != nullptr) described = exchange->send.Describe(*from, give_lo, give_hi);
     if (!described.ok()) return call->waiter->Abandon(&exchange->requests, described);  // the peer's stay unmatched
-    // Receive k, then send k, for each k: over TCP, Open MPI moved the
-    // halving levels' 256 KiB messages at 1.14-1.16x the link's time posted
-    // so, and at 1.9x with every receive posted before the first send (the
+    // Receive k, then send k, for each k: over TCP, Open MPI moves 256 KiB
+    // messages posted so near the link's rate, and no faster than whole
+    // messages with every receive posted before the first send (the
     // measurement at kMaxMessageBytes).
     MPI_Comm comm = call->comm.comm;
     const Messages& receive = exchange->receive;
