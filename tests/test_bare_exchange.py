@@ -144,6 +144,7 @@ QUOTED = (
     "one TCP stream between two hosts carried STREAM4 Gbit/s at `4gbit` and STREAM10 at `10gbit`",
     "took SOCK2 the floor at N = 2, where TCP's headers are 4.6% of every full frame, and SOCK4_ALL at N = 4",
     "(Python sockets, see [the wire alone](#the-wire-alone)) took SOCK4_16 the floor at N = 4 and 16 MiB",
+    "exchanges with nothing computed took SOCK4_16 the floor at N = 4 and 16 MiB ([the wire alone]",
 )
 #: The same for the benchmarks guide.
 QUOTED_BENCHMARKS = (

@@ -216,6 +216,17 @@ def figures(replicas, tables) -> list[str]:
         f"up to {largest['keras', 1]}",
     ]
 
+    # The runs across processes: seconds per epoch after the first, per engine.
+    def epoch_seconds(engine):
+        runs = [r for r in committed.records("docs/eval_processes/results.jsonl") if r["engine"] == engine]
+        assert runs and all(r["date"].startswith("2026-12-07") for r in runs), engine
+        return _range([s for r in runs for s in r["seconds_per_epoch"][1:]], 1)[:-1]
+
+    phrases.append(
+        f"an epoch after the first took {epoch_seconds('mpi')} s under `mpirun` and "
+        f"{epoch_seconds('tf-collective')} s across worker processes"
+    )
+
     # LAMB's single-worker rate in the edge preset.
     assert BASE_LR["lamb"] == 3e-3
     phrases.append("Keras' `Lamb` at its single-worker rate 3e-3")

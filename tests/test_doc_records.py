@@ -75,6 +75,28 @@ def test_the_resize_table_is_its_records():
     )
     for figure in quoted:
         assert figure in text, figure
+    # The fixed rows against the same cells of the replica sweep.
+    sweep = [
+        r
+        for r in committed.records("docs/eval_replicas/results.jsonl")
+        if r["replicas"] == 8 and r["local_steps"] == 1 and r["combiner"] in ("keras", "adasum")
+    ]
+    sweep_epochs = {
+        c: [r["epochs_until_convergence"] for r in sweep if r["combiner"] == c] for c in ("keras", "adasum")
+    }
+    assert -1 not in sweep_epochs["keras"]
+    flat = " ".join(text.split())
+    best = [r["best_acc"] for r in sweep if r["combiner"] == "keras"]
+    here = [max(r["accuracy"]) for r in rows if (r["combiner"], r["schedule"]) == ("keras", "fixed")]
+    both = fixed + sweep_epochs["adasum"]
+    for figure in (
+        f"in {min(sweep_epochs['keras'])}-{max(sweep_epochs['keras'])} epochs, "
+        f"at best {100 * min(best):.2f}-{100 * max(best):.2f}%; "
+        f"here its best was {100 * min(here):.2f}-{100 * max(here):.2f}%",
+        f"ends within {max(abs(100 * (a - target)) for a in best + here):.2f} points of the target",
+        f"Adasum's fixed 8 took {min(both)}-{max(both)} epochs in both",
+    ):
+        assert figure in flat, figure
 
 
 def test_the_chaos_run_is_its_record():
@@ -158,6 +180,30 @@ def test_the_per_replica_batch_sweep_tables_are_their_records():
             f"{r['best_acc']:.4f} | {' '.join(f'{a:.4f}' for a in r['accuracy_per_epoch'])} |"
         )
         assert row in text, row
+
+
+def test_the_cost_of_n_replicas_is_the_replica_sweeps_records():
+    """evaluation.md's "What it costs here": Adasum's seconds per epoch at
+    N = 256 (after the first, per seed group; the first) and at N = 1, from
+    the replica sweep's records."""
+    runs = {
+        (r["replicas"], r["seed"]): r["seconds_per_epoch"]
+        for r in committed.records("docs/eval_replicas/results.jsonl")
+        if r["combiner"] == "adasum" and r["local_steps"] == 1 and r["replicas"] in (1, 256)
+    }
+
+    def span(values):
+        return f"{min(values):.1f}-{max(values):.1f} s"
+
+    later = {seed: runs[256, seed][1:] for seed in (0, 1, 2)}
+    quoted = (
+        f"after the first took {span(later[0] + later[1])} with seeds 0 and 1 and {span(later[2])} with seed 2",
+        f"(the first, with tracing: {span([runs[256, seed][0] for seed in (0, 1, 2)])})",
+        f"at N = 1, {span([s for seed in (0, 1, 2) for s in runs[1, seed][1:]])}",
+    )
+    text = committed.page("docs/guide/evaluation.md")
+    for figure in quoted:
+        assert figure in text, figure
 
 
 def test_the_emulated_hosts_epochs_are_their_record():
