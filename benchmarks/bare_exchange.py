@@ -48,6 +48,7 @@ cluster guide's table is that output; tests/test_doc_records.py checks).
 Usage: python benchmarks/bare_exchange.py [--pattern halving] [--transport sockets mpi]
        [--replicas 2 4] [--sizes 16777216] [--message-bytes 0 1048576 262144]
        [--receives-first] [--yield-when-idle] [--process-repeats 11] [--process-warmup 3] [--link 1gbit]
+       [--timeout 600]
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _parse_args(argv=None):
     parser.add_argument("--process-repeats", type=int, default=11, help="timed calls per measurement")
     parser.add_argument("--process-warmup", type=int, default=3, help="untimed calls before the timed ones")
     parser.add_argument("--link", metavar="RATE", help="each process on an emulated host, links at RATE (e.g. 1gbit)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each group of processes may take")
     args = parser.parse_args(argv)
     bad = [n for n in args.replicas if n < 2 or n & (n - 1)]
     if bad:
@@ -95,6 +97,16 @@ def _parse_args(argv=None):
         parser.error(f"--pattern stream runs between two processes (--replicas 2). Received: {args.replicas}")
     if any(m < 0 for m in args.message_bytes):
         parser.error(f"--message-bytes takes sizes >= 0. Received: {args.message_bytes}")
+    uneven = [s for s in args.sizes if s <= 0 or s % max(args.replicas)]
+    if uneven:  # every level of the pattern halves whole bytes, as the floor assumes
+        parser.error(
+            f"--sizes takes positive multiples of the largest --replicas ({max(args.replicas)}). Received: {uneven}"
+        )
+    if args.process_repeats < 1 or args.process_warmup < 0 or args.timeout <= 0:
+        parser.error(
+            "--process-repeats takes at least 1, --process-warmup at least 0, --timeout a positive number. Received: "
+            f"{args.process_repeats}, {args.process_warmup}, {args.timeout}"
+        )
     return args
 
 
@@ -122,7 +134,7 @@ def swaps(rank: int, n: int, nbytes: int) -> list[tuple[int, int, int, int]]:
 # -- the parent: spawns the processes, prints their records -------------------------
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     if args.table:
         with open(args.table, encoding="utf-8") as f:
@@ -151,6 +163,7 @@ def _spawn(transport, n, message_bytes, args):
     hosts = ["--hosts", str(n), "--link", args.link] if args.link else []
     forwarded = ["--pattern", args.pattern, "--sizes", *map(str, args.sizes)]
     forwarded += ["--process-repeats", str(args.process_repeats), "--process-warmup", str(args.process_warmup)]
+    forwarded += ["--replicas", str(n), "--timeout", str(args.timeout)]
     if transport == "sockets":
         command = [sys.executable, "-m", "tf_adasum.launch", "-n", str(n), *hosts, script]
         command += ["--transport", "sockets-worker"]
@@ -168,7 +181,10 @@ def _spawn(transport, n, message_bytes, args):
             prefix = ""
         command += ["--transport", "mpi-rank"]
     env = {**os.environ, **({"OMPI_MCA_mpi_yield_when_idle": "1"} if args.yield_when_idle else {})}
-    result = subprocess.run(command + forwarded, capture_output=True, text=True, env=env)
+    try:
+        result = subprocess.run(command + forwarded, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{transport} with {n} processes did not finish within --timeout {args.timeout:g} s") from None
     if result.returncode:
         raise SystemExit(f"{transport} with {n} processes failed:\n{(result.stdout + result.stderr)[-4000:]}")
     return [json.loads(line[len(prefix) :]) for line in result.stdout.splitlines() if line.startswith(prefix + "{")]
@@ -225,11 +241,12 @@ def _swap(sock, out, into):
     sender.join()
 
 
-def _connect_all(rank, addresses):
+def _connect_all(rank, addresses, timeout):
     """One connected TCP socket to every other worker: the lower rank
     listens on its TF_CONFIG address, the higher connects (and says who it is)."""
     host, port = addresses[rank].rsplit(":", 1)
     listener = socket.create_server((host, int(port)), backlog=len(addresses))
+    listener.settimeout(timeout)
     peers = {}
     for peer in range(rank):
         peer_host, peer_port = addresses[peer].rsplit(":", 1)
@@ -253,6 +270,7 @@ def _connect_all(rank, addresses):
     listener.close()
     for sock in peers.values():
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(timeout)  # a peer that stops answering ends this worker, and the launcher stops the rest
     return peers
 
 
@@ -300,7 +318,7 @@ def _sockets_worker(args):
     config = json.loads(os.environ["TF_CONFIG"])
     addresses, rank = config["cluster"]["worker"], config["task"]["index"]
     n = len(addresses)
-    peers = _connect_all(rank, addresses)
+    peers = _connect_all(rank, addresses, args.timeout)
     for nbytes in args.sizes:
         buffer = memoryview(np.zeros(nbytes, np.uint8)).cast("B")
         times = _timed(
@@ -421,7 +439,7 @@ TABLE_COLUMNS = (
 )
 
 
-def table(records) -> str:
+def table(records: list[dict]) -> str:
     """The Markdown table of `records`, one row each, in their order."""
     lines = ["| " + " | ".join(h for h, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     lines += ["| " + " | ".join(cell(r) for _, cell in TABLE_COLUMNS) + " |" for r in records]

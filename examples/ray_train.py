@@ -16,6 +16,7 @@ starts one on this machine, on loopback.
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -37,6 +38,9 @@ def parse_args(argv=None):
 
 def train_loop(config):
     """One Ray Train worker: mnist_multiworker's training with a backup."""
+    # Ray's workers log at INFO, which would print every TensorFlow notice
+    # (the strategy's devices, each all-reduce's packing); keep its warnings.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     sys.path.insert(0, config["examples"])
     import mnist_multiworker
 

@@ -28,6 +28,28 @@ def test_each_swap_is_met_by_the_partners_and_moves_the_floors_bytes(n):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_swaps_are_the_trees_levels(n):
+    """Level k pairs rank r with r XOR 2^k (`tf_adasum.tree.topology`, no
+    fold at a power of two), the rank with that bit set keeps the upper half
+    (as `tf_adasum.tree.rvh` does), and the gather retraces the levels."""
+    from tf_adasum.tree import topology
+
+    nbytes, levels = 1024, n.bit_length() - 1
+    pairs = set(topology.groups(n))
+    for rank in range(n):
+        steps = bare.swaps(rank, n, nbytes)
+        assert len(steps) == 2 * levels
+        start = 0
+        for k, (peer, send_at, receive_at, length) in enumerate(steps[:levels]):
+            assert peer == rank ^ (1 << k) and topology.pair(rank, peer) in pairs
+            assert length == nbytes >> (k + 1)
+            upper = bool(rank & (1 << k))
+            assert receive_at == start + (length if upper else 0) and send_at == start + (0 if upper else length)
+            start = receive_at
+        assert [s[0] for s in steps[levels:]] == [s[0] for s in reversed(steps[:levels])]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_the_pattern_with_a_sum_is_an_all_reduce(n):
     """Adding what the reduce-scatter's swaps receive and copying what the
     gather's receive leaves every rank with the sum of every rank's buffer:
@@ -48,9 +70,13 @@ def test_the_pattern_with_a_sum_is_an_all_reduce(n):
 
 
 @pytest.mark.parametrize("pattern", ["halving", "stream"])
-def test_runs_over_sockets_and_mpi_and_prints_records_with_provenance(pattern):
-    argv = ["--pattern", pattern, "--replicas", "2", "--sizes", "65536", "--message-bytes", "0", "16384"]
-    argv += ["--process-repeats", "2", "--process-warmup", "1"]
+@pytest.mark.parametrize(
+    "transport",
+    [pytest.param("sockets", marks=pytest.mark.multiworker), pytest.param("mpi", marks=pytest.mark.mpi)],
+)
+def test_runs_and_prints_records_with_provenance(transport, pattern):
+    argv = ["--pattern", pattern, "--transport", transport, "--replicas", "2", "--sizes", "65536"]
+    argv += ["--message-bytes", "0", "16384", "--process-repeats", "2", "--process-warmup", "1"]
     result = subprocess.run(
         [sys.executable, os.path.join(committed.ROOT, "benchmarks", "bare_exchange.py"), *argv],
         env=worker_env(),
@@ -61,11 +87,8 @@ def test_runs_over_sockets_and_mpi_and_prints_records_with_provenance(pattern):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [(r["transport"], r.get("message_bytes")) for r in records] == [
-        ("sockets", None),
-        ("mpi", 0),
-        ("mpi", 16384),
-    ]
+    expected = [("sockets", None)] if transport == "sockets" else [("mpi", 0), ("mpi", 16384)]
+    assert [(r["transport"], r.get("message_bytes")) for r in records] == expected
     for r in records:
         assert r["pattern"] == pattern and r["replicas"] == 2 and r["bytes"] == 65536 and r["ms"] > 0, r
         assert r["command"] == "python benchmarks/bare_exchange.py " + " ".join(argv), r
@@ -74,9 +97,19 @@ def test_runs_over_sockets_and_mpi_and_prints_records_with_provenance(pattern):
     assert bare.table(records).count("\n") == 2 + len(records)
 
 
-def test_refuses_a_count_that_is_not_a_power_of_two():
-    with pytest.raises(SystemExit):
-        bare.main(["--replicas", "3"])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--replicas", "3"], "--replicas takes powers of two from 2. Received: [3]"),
+        (["--replicas", "4", "--sizes", "1022"], "--sizes takes positive multiples of the largest --replicas (4). "),
+        (["--pattern", "stream", "--replicas", "4"], "--pattern stream runs between two processes"),
+        (["--process-repeats", "0"], "Received: 0, 3, 600"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_process_starts(capsys, argv, named):
+    with pytest.raises(SystemExit) as exited:
+        bare._parse_args(argv)
+    assert exited.value.code == 2 and named in " ".join(capsys.readouterr().err.split())
 
 
 RECORDS = "docs/cluster/bare_exchange.jsonl"
@@ -122,6 +155,8 @@ def quoted_figures(rows) -> dict[str, str]:
         "MPI256K4": _range(_ratios(rows, "mpi", 4, message_bytes=kib)),
         "FIRST2": _range(_ratios(rows, "mpi", 2, message_bytes=kib, first=True)),
         "FIRST4": _range(_ratios(rows, "mpi", 4, message_bytes=kib, first=True)),
+        "FIRSTWHOLE2": _range(_ratios(rows, "mpi", 2, message_bytes=whole, first=True)),
+        "FIRSTWHOLE4": _range(_ratios(rows, "mpi", 4, message_bytes=whole, first=True)),
         "POLL4": _range(_ratios(rows, "mpi", 4, message_bytes=kib)),
         "YIELD4": _range(_ratios(rows, "mpi", 4, message_bytes=kib, yielding=True)),
         "STREAM1": _stream(rows, "1gbit"),
@@ -138,12 +173,13 @@ QUOTED = (
     "a 64 MiB stream: STREAM1 Gbit/s at `1gbit`",
     "whole messages take MPIWHOLE2 the floor at N = 2 and MPIWHOLE4 at N = 4",
     "in 1 MiB messages MPI1M2 and MPI1M4, in 256 KiB ones MPI256K2 and MPI256K4",
-    "256 KiB messages cost what whole ones do (FIRST2 at N = 2, FIRST4 at N = 4)",
+    "256 KiB messages cost about what whole ones do (FIRST2 against FIRSTWHOLE2 at N = 2, "
+    "FIRST4 against FIRSTWHOLE4 at N = 4)",
     "In 256 KiB messages at N = 4 the pattern took POLL4 polling and YIELD4 with `--yield-when-idle`",
     "One TCP stream** carried STREAM1 Gbit/s at `1gbit`, STREAM4 at `4gbit` and STREAM10 at `10gbit`",
     "one TCP stream between two hosts carried STREAM4 Gbit/s at `4gbit` and STREAM10 at `10gbit`",
-    "took SOCK2 the floor at N = 2, where TCP's headers are 4.6% of every full frame, and SOCK4_ALL at N = 4",
-    "(Python sockets, see [the wire alone](#the-wire-alone)) took SOCK4_16 the floor at N = 4 and 16 MiB",
+    "took SOCK2 the floor at N = 2, where the frames' headers add 4.6% to the payload, and SOCK4_ALL at N = 4",
+    "on the later AVX-512 processor) took SOCK4_16 the floor at N = 4 and 16 MiB",
     "exchanges with nothing computed took SOCK4_16 the floor at N = 4 and 16 MiB ([the wire alone]",
 )
 #: The same for the benchmarks guide.
@@ -166,6 +202,15 @@ def test_the_cluster_guide_shows_the_records_table_and_quotes_their_figures():
     assert bare.table(rows) in text
     for row in rows:
         assert row["command"] in text and row["commit"] in text and row["date"][:10] in text, row["command"]
+    times = sorted(row["date"][11:16] for row in rows)
+    assert f"{rows[0]['date'][:10]}, commands started {times[0]}-{times[-1]} UTC" in committed.page(
+        "docs/guide/cluster.md"
+    )
+    collective = committed.benchmark("collective")  # the same floor as the collective's records
+    for row in rows:
+        if row["pattern"] == "halving":
+            floor = collective.link_floor_ms(row["replicas"], row["bytes"], row["link"])
+            assert row["link_floor_ms"] == pytest.approx(floor, abs=1e-3), row
     flat = committed.page("docs/guide/cluster.md")
     figures = quoted_figures(rows)
     for sentence in QUOTED:
