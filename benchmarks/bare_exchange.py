@@ -65,6 +65,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collective import link_floor_ms  # noqa: E402  (the collective's floor, so the two compare)
+
 TRANSPORTS = ("sockets", "mpi")
 ROLES = ("sockets-worker", "mpi-rank")  # what the spawned processes run
 #: A swap's sends and receives go in pieces of this size (sockets).
@@ -193,14 +196,11 @@ def _spawn(transport, n, message_bytes, args):
 def _with_link(record, args):
     if not args.link:
         return record
-    from tf_adasum.launcher.helper import rate_bits_per_second
-
     record["link"] = args.link
     if record["pattern"] == "stream":
         record["gbit_per_s"] = round(8 * record["bytes"] / (record["ms"] * 1e-3) / 1e9, 3)
     else:
-        n, nbytes = record["replicas"], record["bytes"]
-        floor = 2 * (n - 1) / n * nbytes * 8 / rate_bits_per_second(args.link) * 1e3
+        floor = link_floor_ms(record["replicas"], record["bytes"], args.link)
         record["link_floor_ms"] = round(floor, 3)
         record["ratio_to_link_floor"] = round(record["ms"] / floor, 3)
     return record
@@ -425,10 +425,7 @@ TABLE_COLUMNS = (
     ("transport", lambda r: r["transport"]),
     ("N", lambda r: str(r["replicas"])),
     ("buffer", lambda r: _size(r["bytes"])),
-    (
-        "messages",
-        lambda r: "" if r["transport"] != "mpi" else _size(r["message_bytes"]) if r["message_bytes"] else "whole",
-    ),
+    ("messages", _messages),
     ("receives", lambda r: "" if r["pattern"] == "stream" or r["transport"] != "mpi" else _receives(r)),
     ("idle ranks", lambda r: "" if r["transport"] != "mpi" else "yield" if r.get("yield_when_idle") else "poll"),
     ("link", lambda r: r.get("link", "")),
