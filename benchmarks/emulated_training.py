@@ -60,9 +60,6 @@ LINKS = ("1gbit", "100mbit")
 HOSTS = (2, 4)
 #: (combiner, local steps): Adasum, Adasum with 4 local steps, Keras' averaging.
 METHODS = (("adasum", 1), ("adasum", 4), ("keras", 1))
-#: The commit the runs of docs/cluster/training_links.jsonl were made at (the
-#: evaluation's code; their records do not say it).
-RUNS_COMMIT = "175e652"
 #: Most a prediction may differ from its measurement, as |measured / predicted - 1|.
 TOLERANCE = 0.15
 #: The configurations measured beyond it on 2026-12-06 (ratio 1.16-1.25, all
@@ -96,9 +93,9 @@ def eval_command(model: str, combiner: str, local_steps: int, replicas: int, out
     return command + ["--out", out]
 
 
-def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float, str]:
+def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float, str, str]:
     """Runs `command` (unless its record exists) and returns its second
-    epoch's seconds per step and the run's date."""
+    epoch's seconds per step, and the run's date and commit."""
     results = os.path.join(out, "results.jsonl")
     if not os.path.exists(results):
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -106,7 +103,7 @@ def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float,
             raise RuntimeError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     with open(results) as f:
         (record,) = [json.loads(line) for line in f if line.strip()]
-    return record["seconds_per_epoch"][1] / steps, record["date"]
+    return record["seconds_per_epoch"][1] / steps, record["date"], record["commit"]
 
 
 def predicted_minutes(
@@ -172,14 +169,16 @@ def main(argv=None) -> int:
     cores = os.cpu_count() or 1
     from tf_adasum.eval import provenance as provenance_of
 
-    # The script's commit, which computed the prediction; the date is each row's run's.
+    # The script's commit, which computed the prediction; the date is each
+    # row's run's, and runs_commit the commit its evaluation ran on.
     provenance = provenance_of.fields(provenance_of.command_line(__file__, argv))
     del provenance["date"]
-    provenance["runs_commit"] = RUNS_COMMIT
     for model in args.models:
         examples = MODELS[model]
         single = os.path.join(args.out, "runs", f"{model}-single")
-        t_step, _ = timed_step_seconds(eval_command(model, "keras", 1, 1, single), single, math.ceil(examples / BATCH))
+        t_step, _, _ = timed_step_seconds(
+            eval_command(model, "keras", 1, 1, single), single, math.ceil(examples / BATCH)
+        )
         for hosts in args.hosts:
             for link in args.links:
                 for combiner, local_steps in METHODS:
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
                         continue
                     out = os.path.join(args.out, "runs", "-".join(str(k) for k in key))
                     command = eval_command(model, combiner, local_steps, hosts, out, hosts, link)
-                    seconds, date = timed_step_seconds(command, out, math.ceil(examples / (hosts * BATCH)))
+                    seconds, date, runs_commit = timed_step_seconds(command, out, math.ceil(examples / (hosts * BATCH)))
                     measured = seconds * math.ceil(MNIST_EXAMPLES / (hosts * BATCH)) / 60.0
                     prediction = predicted_minutes(model, combiner, local_steps, hosts, link, t_step, cores)
                     row = {
@@ -205,6 +204,7 @@ def main(argv=None) -> int:
                         "cpu_count": cores,
                         "date": date,  # the run's
                         **provenance,
+                        "runs_commit": runs_commit,
                     }
                     print(json.dumps(row), flush=True)
                     with open(records_path, "a") as f:

@@ -55,6 +55,11 @@ def main(argv=None):
         # the workers' TF_CONFIG, the machine's outward address (this variable
         # is how Ray keeps a local cluster on 127.0.0.1, as it does on macOS).
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Ray Train 2.60 sends each print of a worker both to its stdout and
+    # through a logger to the console, so every line reached the driver
+    # twice; this variable of Ray's (passed on to the workers) keeps print
+    # as it is.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer

@@ -196,14 +196,15 @@ def test_the_cost_models_extrapolations_are_its_fits():
 
 
 def test_the_cluster_guides_link_tables_are_their_records():
-    """The 2026-12-06 tables of the collective against the link, each row of
-    both forms (ratios, milliseconds), as its record in
-    `docs/cluster/collective_links.jsonl` gives it. (Those records predate the
-    provenance fields; the guide names their commands and date.)"""
+    """The tables of the collective against the link, each row of both forms
+    (ratios, milliseconds), as its record in
+    `docs/cluster/collective_links.jsonl` gives it, and the figures the
+    bullets beside them quote."""
     text = committed.page("docs/guide/cluster.md", collapse=False)
     names = {"workers": "worker processes", "mpi": "mpirun"}
+    records = committed.records("docs/cluster/collective_links.jsonl")
     rows = {}
-    for r in committed.records("docs/cluster/collective_links.jsonl"):
+    for r in records:
         rows.setdefault((r["engine"], r["replicas"], r["link"]), {})[r["bytes"] >> 20] = r
     assert len(rows) == 10, sorted(rows)
     for (engine, n, _), by_size in rows.items():
@@ -213,11 +214,63 @@ def test_the_cluster_guides_link_tables_are_their_records():
         )
         speedups = ", ".join(f"{r['adasum_ms'] / r['compressed_ms']:.2f}x" for r in (small, large))
         assert f"| {names[engine]} | {n} | {ratios} | {speedups} |" in text, (engine, n, ratios, speedups)
-        ms = " | ".join(
-            ", ".join(f"{r[k]:.0f}" for k in ("link_floor_ms", "adasum_ms", "native_ms", "compressed_ms"))
-            for r in (small, large)
-        )
+        fields = ("link_floor_ms", "adasum_ms", "native_ms", "compressed_ms")
+        ms = " | ".join(", ".join(f"{r[k]:.0f}" for k in fields) for r in (small, large))
         assert f"| {names[engine]} | {n} | {ms} |" in text, (engine, n, ms)
+    for command in {r["command"] for r in records}:
+        assert command in text, command
+    (commit,) = {r["commit"] for r in records}
+    (processor,) = {r["processor"] for r in records}
+    assert f"({processor}), float32, one process per host, at commit {commit}" in " ".join(text.split())
+
+    prose = committed.page("docs/guide/cluster.md")
+
+    def span(key="ratio_to_link_floor", unit="x", **match):
+        return _span(
+            [key(r) if callable(key) else r[key] for r in records if all(r[k] in v for k, v in match.items())], unit
+        )
+
+    one, two_four = ("1gbit",), (2, 4)
+    speedup = lambda r: r["adasum_ms"] / r["compressed_ms"]  # noqa: E731
+    native = "native_ratio_to_link_floor"
+    pipelined = committed.records("docs/cluster/collective_links_pipelined.jsonl")
+    pipelined += committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    after = [r for r in pipelined if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
+    quoted = (
+        f"TF's ring {span(native, link=one, replicas=two_four, engine=('workers',))}",
+        f"MPI's `Allreduce` from numpy {span(native, link=one, replicas=two_four, engine=('mpi',))}",
+        f"the same trees took {_span([r['ratio_to_link_floor'] for r in after], 'x')} at these N",
+        f"{span(link=one, replicas=(8,))} for Adasum, {span(native, link=one, replicas=(8,))} "
+        "for the native all-reduce",
+        f"makes Adasum {span(speedup, link=one, replicas=two_four, engine=('workers',))} faster on the worker",
+        f"MPI it gains {span(speedup, link=one, replicas=two_four, engine=('mpi',))} up to N = 4",
+        f"(8 processes: {span(speedup, replicas=(8,))}; at 4 Gbit/s: {span(speedup, link=('4gbit',))})",
+    )
+    for figure in quoted:
+        assert figure in prose, figure
+    engines = committed.page("docs/guide/engines.md")
+    assert (
+        f"the bfloat16 wire made Adasum {span(speedup, link=one, replicas=two_four)} faster at N = 2 and 4, for "
+        f"worker processes and under mpirun alike, and {span(speedup, link=one, replicas=(8,))} at N = 8"
+    ) in engines
+    choosing = committed.page("docs/guide/choosing.md")
+    assert (
+        f"other runs of the pipelined trees took up to {max(r['ratio_to_link_floor'] for r in after):.2f}x" in choosing
+    )
+    # "1.06-1.13x ... with one exception": every row at N = 2 and 4, 1 Gbit/s, but one.
+    small = sorted(r["ratio_to_link_floor"] for r in records if r["link"] == "1gbit" and r["replicas"] in two_four)
+    assert f"Adasum took {small[0]:.2f}-{small[-2]:.2f}x the link floor" in prose
+    (slowest,) = [r for r in records if r["ratio_to_link_floor"] == small[-1]]
+    assert (slowest["engine"], slowest["replicas"], slowest["bytes"] >> 20) == ("workers", 4, 64)
+    assert f"4 x 64 MiB: {small[-1]:.2f}, where TF's ring took {slowest['native_ratio_to_link_floor']:.2f}" in prose
+    # "ahead of the native all-reduce in every row but one, where the two are level"
+    behind = [r for r in records if r["link"] == "1gbit" and r["replicas"] in two_four and
+              r["ratio_to_link_floor"] >= r["native_ratio_to_link_floor"]]  # fmt: skip
+    assert (
+        len(behind) == 1
+        and f"{behind[0]['ratio_to_link_floor']:.2f}" == f"{behind[0]['native_ratio_to_link_floor']:.2f}"
+    )
+    assert f"2 x 64 MiB: {behind[0]['ratio_to_link_floor']:.2f} both" in prose
 
 
 def test_the_training_step_table_is_its_records():
@@ -299,7 +352,6 @@ def test_the_collectives_prose_quotes_its_records():
 #: leaves this list when its records are replaced by a new run: the test
 #: below fails until it does, in either direction.
 PREDATING_PROVENANCE = {
-    "docs/cluster/collective_links.jsonl": {"date", "commit", "processor", "command"},
     "docs/cluster/training_links.jsonl": {"processor extension"},
     "docs/cluster/training_links_accuracy.jsonl": {"processor extension"},
     "docs/eval_edge/results.jsonl": {"commit", "processor", "command"},
@@ -351,8 +403,9 @@ def test_every_committed_record_names_its_date_commit_processor_and_command():
 
 def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
     """The bullets beside the table of the pipelined trees on the AVX-512
-    processor: its ranges per engine, N and link, and the 2026-12-06
-    non-pipelined rows they are compared with."""
+    processor: its ranges per engine, N and link, and the later run of the
+    same trees (the tables of the collective against the link) they are
+    compared with."""
     text = committed.page("docs/guide/cluster.md")
     rows = committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     before = committed.records("docs/cluster/collective_links.jsonl")
@@ -375,7 +428,7 @@ def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
         f"{ratios(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('mpi',))}",
         f"**4 Gbit/s**: {ratios(rows, 'ratio_to_link_floor', 'x', link=four)} the floor, the native all-reduce "
         f"{ratios(rows, 'native_ratio_to_link_floor', 'x', link=four)}",
-        f"the non-pipelined trees took {ratios(before, 'ratio_to_link_floor', 'x', link=four, replicas=two_four)}",
+        f"in the tables above the same trees took {ratios(before, unit='x', link=four, replicas=two_four)}",
         f"took {_span([r['rvh_sum_ms'] / r['link_floor_ms'] for r in rows if r['link'] == '4gbit'], 'x')} "
         f"(`rvh_sum / floor`), within {sorted(gaps)[-2]:.2f} of Adasum in every row but one",
     )
