@@ -182,7 +182,7 @@ def check(records: list[dict]) -> list[dict]:
                 status, reason = "FAIL", reason or f"beyond {TOLERANCE:.0%} and not in EXCEPTIONS"
             rows.append({
                 "engine": r["engine"], "link": r["link"], "replicas": r["replicas"], "bytes": r["bytes"],
-                "path": path, "measured_ms": round(measured, 1), "predicted_ms": round(predicted, 1),
+                "path": path, "measured_ms": round(measured, 2), "predicted_ms": round(predicted, 2),
                 "ratio": round(ratio, 3), "status": status, "reason": reason,
             })  # fmt: skip
     return rows

@@ -169,6 +169,13 @@ def figures(replicas, tables) -> list[str]:
         f"to the target) and a fifth at N = 4 ({two('1gbit', 4, 'adasum', 4)} against {two('1gbit', 4, 'adasum', 1)})"
     )
 
+    timed = committed.records("docs/cluster/training_links.jsonl")
+    (slowest,) = [r for r in timed if r["ratio"] == max(t["ratio"] for t in timed)]
+    assert slowest["local_steps"] > 1 and slowest["link"] == "100mbit"  # "the most with local steps on slow links"
+    phrases.append(
+        f"Training timed on emulated hosts took {_range([r['ratio'] for r in timed])[:-1]} times the model's"
+    )
+
     # The collective on emulated links: the bfloat16 wire's speed-up and the link floor.
     links = committed.records("docs/cluster/collective_links.jsonl")
     assert {(r["dtype"], r["bytes"], r["compression"]) for r in links} == {
