@@ -131,9 +131,10 @@ def figures(replicas, tables) -> list[str]:
     )
 
     # Training on emulated hosts: the sweep's median epochs x the measured minutes per epoch.
+    timed = committed.records("docs/cluster/training_links.jsonl")
     measured = {
         (r["link"], r["hosts"], r["combiner"], r["local_steps"]): r["measured_minutes"]
-        for r in committed.records("docs/cluster/training_links.jsonl")
+        for r in timed
         if r["model"] == "lenet_caffe"
     }
 
@@ -160,7 +161,7 @@ def figures(replicas, tables) -> list[str]:
     assert _median_epochs(tables["adasum, 4 local steps"][2]) == _median_epochs(tables["adasum"][2]) + 1
     combine = [
         1 - r["predicted_compute_minutes"] / r["predicted_minutes"]
-        for r in committed.records("docs/cluster/training_links.jsonl")
+        for r in timed
         if r["model"] == "lenet_caffe" and r["link"] == "1gbit" and r["local_steps"] == 1
     ]
     phrases.append(
@@ -169,7 +170,6 @@ def figures(replicas, tables) -> list[str]:
         f"to the target) and a fifth at N = 4 ({two('1gbit', 4, 'adasum', 4)} against {two('1gbit', 4, 'adasum', 1)})"
     )
 
-    timed = committed.records("docs/cluster/training_links.jsonl")
     (slowest,) = [r for r in timed if r["ratio"] == max(t["ratio"] for t in timed)]
     assert slowest["local_steps"] > 1 and slowest["link"] == "100mbit"  # "the most with local steps on slow links"
     phrases.append(

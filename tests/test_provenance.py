@@ -226,17 +226,13 @@ def test_the_cluster_guides_link_tables_are_their_records():
     prose = committed.page("docs/guide/cluster.md")
 
     def span(key="ratio_to_link_floor", unit="x", **match):
-        return _span(
-            [key(r) if callable(key) else r[key] for r in records if all(r[k] in v for k, v in match.items())], unit
-        )
+        return _span_of(records, key, unit, **match)
 
     one, two_four = ("1gbit",), (2, 4)
     speedup = lambda r: r["adasum_ms"] / r["compressed_ms"]  # noqa: E731
     native = "native_ratio_to_link_floor"
     plain_sum = lambda r: r["rvh_sum_ms"] / r["link_floor_ms"]  # noqa: E731
-    pipelined = committed.records("docs/cluster/collective_links_pipelined.jsonl")
-    pipelined += committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
-    after = [r for r in pipelined if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
+    after = _pipelined_runs_at_1gbit()
     quoted = (
         f"TF's ring {span(native, link=one, replicas=two_four, engine=('workers',))}",
         f"MPI's `Allreduce` from numpy {span(native, link=one, replicas=two_four, engine=('mpi',))}",
@@ -313,6 +309,22 @@ def test_the_soak_table_is_its_records():
 
 def _span(values, unit=""):
     return f"{min(values):.2f}-{max(values):.2f}{unit}"
+
+
+def _span_of(records, key="ratio_to_link_floor", unit="", **match):
+    """`_span` of `key` (a field, or a function of a record) over the records
+    whose every field named in `match` is one of its values."""
+    return _span(
+        [key(r) if callable(key) else r[key] for r in records if all(r[k] in v for k, v in match.items())], unit
+    )
+
+
+def _pipelined_runs_at_1gbit():
+    """The pipelined trees' separate runs at 1 Gbit/s, N = 2 and 4 (the worker
+    rows before the pipelining, commit 7962123, left out)."""
+    rows = committed.records("docs/cluster/collective_links_pipelined.jsonl")
+    rows += committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
+    return [r for r in rows if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
 
 
 def test_the_collectives_prose_quotes_its_records():
@@ -414,36 +426,34 @@ def test_the_cluster_guides_pipelined_runs_are_quoted_from_their_records():
     rows = committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     before = committed.records("docs/cluster/collective_links.jsonl")
 
-    def ratios(records, key="ratio_to_link_floor", unit="", **match):
-        return _span([r[key] for r in records if all(r[k] in v for k, v in match.items())], unit)
-
     one, four, two_four = ("1gbit",), ("4gbit",), (2, 4)
     gaps = [abs(r["rvh_sum_ms"] / r["link_floor_ms"] - r["ratio_to_link_floor"]) for r in rows if r["link"] == "4gbit"]
     # The bar: the four runs of the acceptance rows (this table's three, and the tables above).
     bar = [r for r in rows + before if r["link"] == "1gbit" and r["replicas"] in two_four]
     assert len({(r["commit"], r["date"]) for r in bar if r["engine"] == "mpi"}) == 4
-    mpi_16 = {c: ratios(bar, link=one, replicas=(4,), engine=("mpi",), bytes=(16 << 20,), commit=(c,))
+    mpi_16 = {c: _span_of(bar, link=one, replicas=(4,), engine=("mpi",), bytes=(16 << 20,), commit=(c,))
               for c in ("e235003", "fe09cb3")}  # fmt: skip
     assert all(r["ratio_to_link_floor"] <= 1.15 for r in bar if r["engine"] == "mpi" and r["commit"] == "e235003")
     workers_4 = sorted(r["ratio_to_link_floor"] for r in bar if r["engine"] == "workers" and r["replicas"] == 4)
     (fast,) = [r for r in bar if r["engine"] == "workers" and r["ratio_to_link_floor"] == workers_4[0]]
     assert fast in before and fast["bytes"] == 16 << 20 and workers_4[1] > 1.15
     quoted = (
-        f"worker processes {ratios(bar, link=one, replicas=(2,), engine=('workers',))}, "
-        f"MPI {ratios(bar, link=one, replicas=(2,), engine=('mpi',))}",
-        f"within it at 64 MiB in every run ({ratios(bar, link=one, replicas=(4,), engine=('mpi',), bytes=(64 << 20,))}",
+        f"worker processes {_span_of(bar, link=one, replicas=(2,), engine=('workers',))}, "
+        f"MPI {_span_of(bar, link=one, replicas=(2,), engine=('mpi',))}",
+        "within it at 64 MiB in every run "
+        f"({_span_of(bar, link=one, replicas=(4,), engine=('mpi',), bytes=(64 << 20,))}",
         f"at 16 MiB in the two runs at e235003 ({mpi_16['e235003'].replace('-', ', ')}) but not in the two at "
         f"fe09cb3 ({mpi_16['fe09cb3'].replace('-', ', ')})",
         f"The worker processes at N = 4 took {workers_4[1]:.2f}-{workers_4[-1]:.2f} in every run but one row "
         f"(16 MiB in the tables above: {workers_4[0]:.2f})",
-        f"Adasum {ratios(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('workers',))} the floor on the "
-        f"worker transport and {ratios(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('mpi',))} under MPI, "
-        f"the native all-reduce {ratios(rows, 'native_ratio_to_link_floor', 'x', replicas=(8,))}",
-        f"took {ratios(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('workers',))} and "
-        f"{ratios(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('mpi',))}",
-        f"**4 Gbit/s**: {ratios(rows, 'ratio_to_link_floor', 'x', link=four)} the floor, the native all-reduce "
-        f"{ratios(rows, 'native_ratio_to_link_floor', 'x', link=four)}",
-        f"in the tables above the same trees took {ratios(before, unit='x', link=four, replicas=two_four)}",
+        f"Adasum {_span_of(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('workers',))} the floor on the "
+        f"worker transport and {_span_of(rows, 'ratio_to_link_floor', 'x', replicas=(8,), engine=('mpi',))} under MPI, "
+        f"the native all-reduce {_span_of(rows, 'native_ratio_to_link_floor', 'x', replicas=(8,))}",
+        f"took {_span_of(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('workers',))} and "
+        f"{_span_of(before, 'ratio_to_link_floor', 'x', link=one, replicas=(8,), engine=('mpi',))}",
+        f"**4 Gbit/s**: {_span_of(rows, 'ratio_to_link_floor', 'x', link=four)} the floor, the native all-reduce "
+        f"{_span_of(rows, 'native_ratio_to_link_floor', 'x', link=four)}",
+        f"in the tables above the same trees took {_span_of(before, unit='x', link=four, replicas=two_four)}",
         f"took {_span([r['rvh_sum_ms'] / r['link_floor_ms'] for r in rows if r['link'] == '4gbit'], 'x')} "
         f"(`rvh_sum / floor`), within {sorted(gaps)[-2]:.2f} of Adasum in every row but one",
     )
@@ -457,12 +467,9 @@ def test_the_readmes_cluster_figures_are_the_pipelined_records():
     before the pipelining, commit 7962123, left out), and the bfloat16 wire's
     speed-up at N = 2 and 4."""
     readme = committed.page("README.md")
-    rows = committed.records("docs/cluster/collective_links_pipelined.jsonl")
-    rows += committed.records("docs/cluster/collective_links_pipelined_avx512.jsonl")
     links = committed.records("docs/cluster/collective_links.jsonl")
     before = [r for r in links if r["link"] == "1gbit" and r["replicas"] < 8]
-    after = [r for r in rows if r["commit"] != "7962123" and r["link"] == "1gbit" and r["replicas"] in (2, 4)]
-    after += before
+    after = _pipelined_runs_at_1gbit() + before
     runs = {(r["command"], r["commit"], r["date"][:16]) for r in after}
     assert len({r["date"][:10] for r in after}) == 1, "the README names one date"
     processors = {r["processor"] for r in after}
