@@ -184,6 +184,30 @@ def test_a_closed_connection_fails_every_wait_on_it():
         second.exchange(0, 5, None, 8, "a test")
 
 
+def test_a_send_the_peer_cut_off_says_a_worker_failed_or_left(monkeypatch):
+    # Whichever side notices a dead peer first, the sender or the reader,
+    # the error says what happened (a killed worker's peer may be mid-send).
+    first, second = _meshes(2)
+    link = first.link(1, None)
+    second.link(0, time.monotonic() + 10)
+
+    class _CutOff:
+        def sendall(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def shutdown(self, how):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(link, "_sender", _CutOff())
+    with pytest.raises(
+        tf.errors.UnavailableError, match=r"sending to worker process 1 .* failed: .*\(a worker failed or left\)"
+    ):
+        first.exchange(1, 1, np.zeros(8, np.uint8), None, "a test")
+
+
 def test_a_stranger_is_refused_and_the_mesh_works_on(rng):
     first, second = _meshes(2)
     stranger = socket.create_connection(second.addresses[1], timeout=10)

@@ -273,7 +273,9 @@ class Link:
                 failure = transport_error(tf.errors.DeadlineExceededError, f"{what} timed out sending to {self.name}.")
                 raise self.fail(failure) from None
             except OSError as error:
-                failure = transport_error(tf.errors.UnavailableError, f"sending to {self.name} failed: {error}.")
+                failure = transport_error(
+                    tf.errors.UnavailableError, f"sending to {self.name} failed: {error} (a worker failed or left)."
+                )
                 raise self.fail(failure) from None
 
     def send_later(self, tag: int, payloads: Sequence[np.ndarray], what: str) -> threading.Event:
