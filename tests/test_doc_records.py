@@ -138,7 +138,10 @@ def test_the_chaos_run_is_its_record():
         assert figure in text, figure
     readme = committed.page("README.md")
     accuracy = f"{100 * r['chaos']['test_accuracy']:.2f}%"
-    assert f"{len(kills)} SIGKILLs: bitwise the uninterrupted run, {accuracy})" in readme, accuracy
+    assert (
+        f"{len(kills)} SIGKILLs: bitwise the uninterrupted run, {accuracy}; `{r['command']}`, {r['date'][:10]})"
+        in readme
+    ), accuracy
 
 
 def _paper_name(r):

@@ -174,6 +174,17 @@ def _reachable() -> dict[str, set[str]]:
     return reach
 
 
+#: Each module stays near 400 lines (docs/guide/design.md, "Package layout"); this is the hard stop.
+MAX_MODULE_LINES = 480
+
+
+def test_no_source_file_is_much_over_400_lines():
+    sources = [p for p in sorted(PACKAGE.rglob("*")) if p.suffix in (".py", ".h", ".cc")]
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text("utf-8").splitlines()) for p in sources}
+    long = {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert not long, f"over {MAX_MODULE_LINES} lines: {long}; split by role (docs/guide/design.md)"
+
+
 def test_the_layers_are_the_design():
     """The imports themselves (not the LAYERS table) follow the design page: along
     eval/cli -> callbacks, mpi helpers -> optimizer -> keras_step, adacons,

@@ -477,8 +477,14 @@ def test_the_readmes_cluster_figures_are_the_pipelined_records():
     ahead = [r for r in after if r["ratio_to_link_floor"] < r["native_ratio_to_link_floor"]]
     behind = max(r["ratio_to_link_floor"] - r["native_ratio_to_link_floor"] for r in after)
     ratios = {n: _span([r["ratio_to_link_floor"] for r in after if r["replicas"] == n], "x") for n in (2, 4)}
+    # The command shown stands for every run's: the collective on 1 Gbit/s links, its engines among the two.
+    for command, _, _ in runs:
+        engines = re.search(r"--engine ((?:\w+ )+)", command).group(1).split()
+        assert command.startswith("python benchmarks/collective.py ") and "--link 1gbit" in command, command
+        assert set(engines) <= {"workers", "mpi"}, command
     quoted = (
-        f"({after[0]['date'][:10]}, {len(after)} rows of {len(runs)} runs on {count} processors)",
+        "(`python benchmarks/collective.py --engine workers mpi --link 1gbit ...`; "
+        f"{after[0]['date'][:10]}, {len(after)} rows of {len(runs)} runs on {count} processors)",
         f"Adasum took {ratios[2]} the link floor 2(N-1)/N x S / B at N = 2 and {ratios[4]} at N = 4",
         f"ahead of the native all-reduce ({_span([r['native_ratio_to_link_floor'] for r in after], 'x')}) in "
         f"{len(ahead)} rows and at most {behind:.2f} behind it in the others",
