@@ -96,7 +96,9 @@ def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float,
     epoch's seconds per step, and the run's date and commit."""
     results = os.path.join(out, "results.jsonl")
     if not os.path.exists(results):
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        # The evaluation's kernels, as `tf-adasum eval` sets them (`python -m` loads TensorFlow first).
+        env = {"TF_ENABLE_ONEDNN_OPTS": "1", **os.environ}
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     with open(results) as f:

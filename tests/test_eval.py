@@ -425,6 +425,10 @@ def test_replicas_preset_survives_an_interruption_and_resumes(tmp_path):
     keys = sorted((r["replicas"], r["combiner"], r["local_steps"]) for r in records)
     assert keys == [(2, "adasum", 1), (2, "adasum", 4), (2, "keras", 1)]
     assert {r["engine"] for r in records} == {"simulated"}
+    # Started as `python -m`, which loads TensorFlow first: the records say so, and which kernels ran.
+    assert all(r["command"].startswith("python -m tf_adasum.eval --preset replicas ") for r in records), records
+    kernels = f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'default')}"
+    assert {r["kernels"] for r in records} == {kernels}
     assert "epochs (median)" not in resumed.stdout  # one seed: no summary over seeds
     assert (out / "scaling.png").stat().st_size > 10_000
 

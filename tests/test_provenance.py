@@ -101,6 +101,9 @@ def test_the_evaluations_command_names_the_path_variables(monkeypatch):
     assert cli.command_of(["--preset", "quick", "--out", "a b"]) == "tf-adasum eval --preset quick --out 'a b'"
     monkeypatch.setenv("TF_ADASUM_MPI_NATIVE", "0")
     assert cli.command_of(["--engine", "mpi"]) == "TF_ADASUM_MPI_NATIVE=0 tf-adasum eval --engine mpi"
+    assert cli.command_of(["--seed", "0"], "python -m tf_adasum.eval") == (
+        "TF_ADASUM_MPI_NATIVE=0 python -m tf_adasum.eval --seed 0"
+    )
 
 
 def _path_variables(command):

@@ -119,7 +119,15 @@ def saved_position(backup_dir: str | os.PathLike) -> Position:
     the epochs complete and the batches of the next one it holds
     (``Position(0, 0)`` without a backup; batch 0 for backups at epoch ends).
     Reads ``backup.json`` only. The input pipeline still starts at the epoch
-    (`saved_epoch`): the callback skips the batches the backup holds."""
+    (`saved_epoch`): the callback skips the batches the backup holds.
+
+    Examples:
+      >>> import tempfile
+      >>> from tf_adasum.backup import saved_position
+      >>> with tempfile.TemporaryDirectory() as no_backup_yet:
+      ...     print(tuple(saved_position(no_backup_yet)))
+      (0, 0)
+    """
     metadata = folder.read_metadata(folder.backup_dir_argument(backup_dir))
     return Position(0, 0) if metadata is None else Position(metadata["epoch"], metadata.get("batch", 0))
 

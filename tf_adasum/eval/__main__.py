@@ -4,4 +4,4 @@ import sys
 
 from tf_adasum.eval.cli import main
 
-sys.exit(main())
+sys.exit(main(program="python -m tf_adasum.eval"))

@@ -393,16 +393,19 @@ def _run_grid(args, plan: _Plan) -> None:
         print(f"wrote {path}")
 
 
-def command_of(argv: list[str]) -> str:
-    """The command line a record names: ``tf-adasum eval`` and `argv`, after
-    the variables that chose the code it ran (`provenance.with_path_variables`)."""
-    return provenance.with_path_variables(" ".join(["tf-adasum eval", *(shlex.quote(a) for a in argv)]))
+def command_of(argv: list[str], program: str = "tf-adasum eval") -> str:
+    """The command line a record names: `program` (how the evaluation was
+    started: ``tf-adasum eval``, or ``python -m tf_adasum.eval``, which loads
+    TensorFlow before it starts and so keeps TensorFlow's own kernels) and
+    `argv`, after the variables that chose the code it ran
+    (`provenance.with_path_variables`)."""
+    return provenance.with_path_variables(" ".join([program, *(shlex.quote(a) for a in argv)]))
 
 
-def main(argv=None) -> int:
+def main(argv=None, program: str = "tf-adasum eval") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse_args(argv)
-    args.command = command_of(argv)
+    args.command = command_of(argv, program)
     try:
         plan = check_inputs(args)
     except InputError as error:
