@@ -79,9 +79,14 @@ BEYOND_TOLERANCE = {
 }
 
 
+#: The `tf-adasum` command beside this Python: started so, the evaluation sets its own kernels
+#: (`python -m tf_adasum.eval` would load TensorFlow first and keep TensorFlow's).
+TF_ADASUM = os.path.join(os.path.dirname(sys.executable), "tf-adasum")
+
+
 def eval_command(model: str, combiner: str, local_steps: int, replicas: int, out: str, hosts: int = 0, link: str = ""):
     """The evaluation's command line for one timed configuration."""
-    command = [sys.executable, "-m", "tf_adasum.eval", "--models", model, "--combiners", combiner]
+    command = [TF_ADASUM, "eval", "--models", model, "--combiners", combiner]
     command += ["--local-steps", str(local_steps), "--replicas", str(replicas), "--batch-per-replica", str(BATCH)]
     command += ["--epochs", "2", "--no-stop", "--train-examples", str(MODELS[model]), "--test-examples", "1000"]
     if hosts:
@@ -96,9 +101,9 @@ def timed_step_seconds(command: list[str], out: str, steps: int) -> tuple[float,
     epoch's seconds per step, and the run's date and commit."""
     results = os.path.join(out, "results.jsonl")
     if not os.path.exists(results):
-        # The evaluation's kernels, as `tf-adasum eval` sets them (`python -m` loads TensorFlow first).
-        env = {"TF_ENABLE_ONEDNN_OPTS": "1", **os.environ}
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if not os.path.exists(command[0]):
+            raise RuntimeError(f"no {command[0]}: install the package into this Python (pip install -e .)")
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{(result.stdout + result.stderr)[-3000:]}")
     with open(results) as f:

@@ -386,9 +386,9 @@ def test_which_saves_communicate():
         model = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(OUT)])
         summed = keras.Variable(0.0, synchronization="on_read", aggregation="sum", trainable=False)
         first = keras.Variable(0.0, synchronization="on_read", aggregation="only_first_replica", trainable=False)
-    assert not backup._reading_communicates(model.weights)
-    assert not backup._reading_communicates([first])
-    assert backup._reading_communicates([*model.weights, summed])
+    assert not replica_states.reading_communicates(model.weights)
+    assert not replica_states.reading_communicates([first])
+    assert replica_states.reading_communicates([*model.weights, summed])
 
 
 # -- real processes ------------------------------------------------------------------------

@@ -50,3 +50,16 @@ def test_bench_stops_at_a_failing_benchmark_with_its_status(calls):
     calls.status["collective.py"] = 3
     assert cli.main(["bench"]) == 3
     assert calls == [_command("collective")]  # optimizer_step never started
+
+
+def test_an_evaluation_names_how_it_was_started(monkeypatch):
+    """`tf-adasum eval` and `python -m tf_adasum.cli eval` differ (the second
+    loads TensorFlow first, so keeps its kernels); the records say which."""
+    import tf_adasum.eval.cli
+
+    programs = []
+    monkeypatch.setattr(tf_adasum.eval.cli, "main", lambda argv, program: programs.append(program) or 0)
+    for argv0 in ("/venv/bin/tf-adasum", "/src/tf_adasum/cli.py"):
+        monkeypatch.setattr(sys, "argv", [argv0, "eval"])
+        assert cli.main(["eval", "--preset", "quick"]) == 0
+    assert programs == ["tf-adasum eval", "python -m tf_adasum.cli eval"]

@@ -199,10 +199,27 @@ def test_the_cost_of_n_replicas_is_the_replica_sweeps_records():
         return f"{min(values):.1f}-{max(values):.1f} s"
 
     later = {seed: runs[256, seed][1:] for seed in (0, 1, 2)}
+    # The runs with TensorFlow's default kernels (the resumed ones) against their configuration's oneDNN runs.
+    records = committed.records("docs/eval_replicas/results.jsonl")
+    default = [r for r in records if r["kernels"] == "TF_ENABLE_ONEDNN_OPTS=default"]
+    same = ("combiner", "replicas", "local_steps")
+
+    def slower(r):
+        onednn = [o for o in records if o["kernels"] != r["kernels"] and all(o[k] == r[k] for k in same)]
+        return statistics.mean(r["seconds_per_epoch"][1:]) / statistics.mean(
+            statistics.mean(o["seconds_per_epoch"][1:]) for o in onednn
+        )
+
+    adasum = [slower(r) for r in default if r["combiner"] == "adasum"]
+    averaging = [slower(r) for r in default if r["combiner"] != "adasum"]
     quoted = (
         f"after the first took {span(later[0] + later[1])} with seeds 0 and 1 and {span(later[2])} with seed 2",
         f"(the first, with tracing: {span([runs[256, seed][0] for seed in (0, 1, 2)])})",
         f"at N = 1, {span([s for seed in (0, 1, 2) for s in runs[1, seed][1:]])}",
+        f"All {len(default)} resumed runs were slower",
+        f"Adasum's {min(adasum):.2f}-{max(adasum):.2f} times, the averaging baselines' "
+        f"{min(averaging):.2f}-{max(averaging):.2f} times",
+        f"the other {len(records) - len(default)} `=1` (oneDNN)",
     )
     text = committed.page("docs/guide/evaluation.md")
     for figure in quoted:

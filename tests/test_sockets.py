@@ -201,11 +201,13 @@ def test_a_send_the_peer_cut_off_says_a_worker_failed_or_left(monkeypatch):
         def close(self):
             pass
 
+    real = link._sender
     monkeypatch.setattr(link, "_sender", _CutOff())
     with pytest.raises(
         tf.errors.UnavailableError, match=r"sending to worker process 1 .* failed: .*\(a worker failed or left\)"
     ):
         first.exchange(1, 1, np.zeros(8, np.uint8), None, "a test")
+    real.close()
 
 
 def test_a_stranger_is_refused_and_the_mesh_works_on(rng):

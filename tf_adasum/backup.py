@@ -88,8 +88,6 @@ __all__ = [
     "saved_position",
 ]
 
-_COMMUNICATING_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
-
 
 def saved_epoch(backup_dir: str | os.PathLike) -> int:
     """The epoch the backup in `backup_dir` resumes in (0 without one):
@@ -130,27 +128,6 @@ def saved_position(backup_dir: str | os.PathLike) -> Position:
     """
     metadata = folder.read_metadata(folder.backup_dir_argument(backup_dir))
     return Position(0, 0) if metadata is None else Position(metadata["epoch"], metadata.get("batch", 0))
-
-
-def _reading_communicates(variables) -> bool:
-    """Whether reading any of `variables` outside a replica context reduces
-    across replicas (a sync-on-read variable with a SUM or MEAN aggregation)."""
-    for variable in variables:
-        value = getattr(variable, "value", variable)  # a Keras variable holds the tf.Variable
-        if (
-            getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
-            and getattr(value, "aggregation", None) in _COMMUNICATING_AGGREGATIONS
-        ):
-            return True
-    return False
-
-
-def _innermost(optimizer):
-    """The optimizer whose slots each replica owns: the innermost of wrappers
-    (AdasumOptimizer, LossScaleOptimizer) that hold an ``inner_optimizer``."""
-    while getattr(optimizer, "inner_optimizer", None) is not None:
-        optimizer = optimizer.inner_optimizer
-    return optimizer
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -281,7 +258,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # The same decision on every process; SimulatedReplicas names its own (its replicas' processes).
         own = getattr(model, "processes", None)
         self._processes = own if isinstance(own, Processes) else Processes.of(strategy)
-        self._reads_communicate = _reading_communicates(list(model.variables) + self._optimizer_variables())
+        self._reads_communicate = replica_states.reading_communicates(
+            list(model.variables) + self._optimizer_variables()
+        )
         replicas = strategy.num_replicas_in_sync  # of this process, or of every worker together
         self._local_replicas = replicas // self._processes.count if self._processes.kind == "worker" else replicas
         logical = getattr(model, "replica_copies", None)  # SimulatedReplicas: its logical replicas
@@ -414,7 +393,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         pairs = list(enumerate(self._optimizer_variables()))
         if metadata["replicas"] != self._replicas:
-            own = {id(v) for v in _innermost(self.model.optimizer).variables}
+            own = {id(v) for v in replica_states.innermost_optimizer(self.model.optimizer).variables}
             pairs = [(position, v) for position, v in pairs if id(v) in own]
         replica_states.restore(pairs, self._first_replica, metadata["replicas"], load, self._copies)
         replica_states.restore_seeds(self.model, load(0))  # process 0's file holds replica 0

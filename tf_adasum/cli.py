@@ -33,12 +33,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def started_as(command: str) -> str:
+    """How `command` was started, as its records name it: ``tf-adasum
+    COMMAND`` from the console script, else ``python -m tf_adasum.cli
+    COMMAND`` (which loads TensorFlow before the command starts)."""
+    if os.path.basename(sys.argv[0]) in ("tf-adasum", "tf-adasum.exe"):
+        return f"tf-adasum {command}"
+    return f"python -m tf_adasum.cli {command}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:  # the evaluation has its own parser (tf-adasum eval --help)
         from tf_adasum.eval.cli import main as eval_main
 
-        return eval_main(argv[1:])
+        return eval_main(argv[1:], program=started_as("eval"))
     if argv[:1] == ["launch"]:  # so are the launcher's (tf-adasum launch --help)
         from tf_adasum.launch import main as launch_main
 

@@ -34,7 +34,40 @@ import tensorflow as tf
 
 from tf_adasum.step import keras_step
 
-__all__ = ["key", "local_copies", "read", "read_seeds", "restore", "restore_seeds", "saved_replica"]
+__all__ = [
+    "innermost_optimizer",
+    "key",
+    "local_copies",
+    "read",
+    "read_seeds",
+    "reading_communicates",
+    "restore",
+    "restore_seeds",
+    "saved_replica",
+]
+
+_COMMUNICATING_AGGREGATIONS = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+
+
+def innermost_optimizer(optimizer):
+    """The optimizer whose slots each replica owns: the innermost of wrappers
+    (AdasumOptimizer, LossScaleOptimizer) that hold an ``inner_optimizer``."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def reading_communicates(variables) -> bool:
+    """Whether reading any of `variables` outside a replica context reduces
+    across replicas (a sync-on-read variable with a SUM or MEAN aggregation)."""
+    for variable in variables:
+        value = getattr(variable, "value", variable)  # a Keras variable holds the tf.Variable
+        if (
+            getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
+            and getattr(value, "aggregation", None) in _COMMUNICATING_AGGREGATIONS
+        ):
+            return True
+    return False
 
 
 def local_copies(variable) -> list:
