@@ -174,7 +174,7 @@ def _reachable() -> dict[str, set[str]]:
     return reach
 
 
-#: Each module stays near 400 lines (docs/guide/design.md, "Package layout"); this is the hard stop.
+#: Modules are meant to stay under about 400 lines (docs/guide/design.md, "Package layout"); this is the hard stop.
 MAX_MODULE_LINES = 480
 
 

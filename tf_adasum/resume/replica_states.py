@@ -61,7 +61,7 @@ def reading_communicates(variables) -> bool:
     """Whether reading any of `variables` outside a replica context reduces
     across replicas (a sync-on-read variable with a SUM or MEAN aggregation)."""
     for variable in variables:
-        value = getattr(variable, "value", variable)  # a Keras variable holds the tf.Variable
+        value = keras_step.tf_variable(variable)
         if (
             getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
             and getattr(value, "aggregation", None) in _COMMUNICATING_AGGREGATIONS
