@@ -42,6 +42,7 @@ what it removes: the 2-core machine's contention (the fit's ``cores``).
 
 Usage:
   python benchmarks/time_to_accuracy.py results/replicas/results.jsonl [MORE.jsonl ...] [--plot score.png]
+                                       [--markdown]
 
 Several record files are read as one (a configuration in more than one is
 counted once, from the first). t_step is the same for every method: the
@@ -49,7 +50,9 @@ inner optimizer's own cost (LAMB's against Adam's) is left out.
 
 Prints one JSON object per interconnect, method, K and N: the epochs to
 target (median over seeds; None when the median run missed it), the modelled
-minutes per epoch and the score, with the constants used.
+minutes per epoch and the score, with the constants used; with
+``--markdown``, the README's table of the scores on 1 and 10 GbE instead
+(`markdown_table`).
 """
 
 from __future__ import annotations
@@ -204,6 +207,33 @@ def scores(records: list[dict], constants: dict, step_ms: float | None = None) -
     return rows
 
 
+def markdown_table(rows: list[dict], links=("1 GbE", "10 GbE"), counts=(1, 4, 8, 16, 32, 64)) -> str:
+    """The README's table of `scores` rows: minutes to target per method and
+    K (rows, in the records' order) and N (columns), each cell the `links`'
+    scores joined by " / " (two decimals; one where they agree); "not reached" at the first N where
+    the median run missed, and nothing at larger N."""
+    score = {(r["link"], r["method"], r["local_steps"], r["replicas"]): r["score"] for r in rows}
+    lines = [
+        f"| combiner | link | N={' | '.join(map(str, counts))} |",
+        "|---|---|" + "---|" * len(counts),
+    ]
+    for method, k in dict.fromkeys((r["method"], r["local_steps"]) for r in rows):
+        cells, missed = [], False
+        for n in counts:
+            values = [score.get((link, method, k, n)) for link in links]
+            if missed:
+                cells.append("")
+            elif None in values:
+                missed = True
+                cells.append("not reached")
+            else:
+                shown = [f"{v:.2f}" for v in values]
+                cells.append(shown[0] if len(set(shown)) == 1 else " / ".join(shown))  # N = 1: no combine
+        name = method if k == 1 else f"{method}, K = {k}"
+        lines.append(f"| {name} | {' / '.join(links)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def _plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -244,6 +274,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cores", type=int, default=2, help="cores the collective records' workers shared")
     parser.add_argument("--step-ms", type=float, help="one replica's step in ms (default: from the records)")
     parser.add_argument("--plot", help="write a PNG of the score against N per interconnect")
+    parser.add_argument("--markdown", action="store_true", help="print the README's table instead of JSON lines")
     args = parser.parse_args(argv)
     from tf_adasum.eval.summary import config_of
 
@@ -264,15 +295,19 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.collective}: no workers records of benchmarks/collective.py")
         constants = dict(zip(cost_model.PARAMS, map(float, cost_model.fit(workers, args.cores))))
         source = f"fitted to {args.collective} ({len(workers)} workers records)"
-    print(json.dumps({
-        "constants": source, "latency_ms": round(constants["a"] * 1e3, 3),
-        "per_byte_GBps": cost_model._rate(constants["u"]), "ring_latency_ms": round(constants["a_ring"] * 1e3, 3),
-        "ring_per_byte_GBps": cost_model._rate(constants["u_ring"]),
-        "links_GBps": {k: None if v is None else v / 1e9 for k, v in LINKS.items()},
-    }))  # fmt: skip
+    if not args.markdown:
+        print(json.dumps({
+            "constants": source, "latency_ms": round(constants["a"] * 1e3, 3),
+            "per_byte_GBps": cost_model._rate(constants["u"]), "ring_latency_ms": round(constants["a_ring"] * 1e3, 3),
+            "ring_per_byte_GBps": cost_model._rate(constants["u_ring"]),
+            "links_GBps": {k: None if v is None else v / 1e9 for k, v in LINKS.items()},
+        }))  # fmt: skip
     rows = scores(records, constants, args.step_ms)
-    for row in rows:
-        print(json.dumps(row))
+    if args.markdown:
+        print(markdown_table(rows))
+    else:
+        for row in rows:
+            print(json.dumps(row))
     if args.plot:
         _plot(rows, args.plot)
     return 0

@@ -121,8 +121,10 @@ def figures(replicas, tables) -> list[str]:
         return f"{score[link, method, k, n]:.2f}"
 
     phrases.append(
-        f"{minutes('1 GbE', 'adasum', 4, 4)} minutes to 99.3% against {minutes('1 GbE', 'adasum', 1, 4)} at N = 4 "
-        f"and {minutes('1 GbE', 'adasum', 4, 8)} against {minutes('1 GbE', 'adasum', 1, 8)} at N = 8"
+        f"{minutes('1 GbE', 'adasum', 4, 4)} minutes to 99.3% against {minutes('1 GbE', 'adasum', 1, 4)} at N = 4, "
+        f"and {minutes('1 GbE', 'adasum', 4, 8)} against {minutes('1 GbE', 'adasum', 1, 8)} at N = 8, where plain "
+        f"Adasum's median run needed {_median_epochs(tables['adasum'][8])} epochs and local steps' "
+        f"{_median_epochs(tables['adasum, 4 local steps'][8])}"
     )
     phrases.append(
         f"At N = 32 the model gives {minutes('1 GbE', 'adasum', 1, 32)} minutes to 99.3% for Adasum against "
@@ -157,7 +159,7 @@ def figures(replicas, tables) -> list[str]:
     def two(link, n, method, k):
         return f"{to_target(link, n, method, k):.2f}"
 
-    assert 0 < saved(2) < 0.1 and 0.15 < saved(4) < 0.25, (saved(2), saved(4))  # "little", "a fifth"
+    assert abs(saved(2)) < 0.05 and 0.15 < saved(4) < 0.25, (saved(2), saved(4))  # "nothing", "a fifth"
     assert _median_epochs(tables["adasum, 4 local steps"][2]) == _median_epochs(tables["adasum"][2]) + 1
     combine = [
         1 - r["predicted_compute_minutes"] / r["predicted_minutes"]
@@ -165,7 +167,7 @@ def figures(replicas, tables) -> list[str]:
         if r["model"] == "lenet_caffe" and r["link"] == "1gbit" and r["local_steps"] == 1
     ]
     phrases.append(
-        f"where the combine was {100 * min(combine):.0f}-{max(combine):.0%} of an epoch, they saved little at N = 2 "
+        f"where the combine was {100 * min(combine):.0f}-{max(combine):.0%} of an epoch, they saved nothing at N = 2 "
         f"({two('1gbit', 2, 'adasum', 4)} minutes against {two('1gbit', 2, 'adasum', 1)}: they took an epoch more "
         f"to the target) and a fifth at N = 4 ({two('1gbit', 4, 'adasum', 4)} against {two('1gbit', 4, 'adasum', 1)})"
     )
@@ -325,7 +327,7 @@ def test_the_sweeps_are_what_the_page_says(page, replicas):
     assert {r["lr"] for r in replicas} == {1e-3} and {r["seed"] for r in replicas} == {0, 1, 2}
     sources = {
         "tf-adasum eval --preset replicas": replicas,
-        "tf-adasum eval --preset edge": [r for r in edge if "command" in r and r["replicas"] <= 64],
+        "tf-adasum eval --preset edge": [r for r in edge if "--preset edge" in r["command"] and r["replicas"] <= 64],
         "tf-adasum eval --preset paper": committed.records("docs/eval_paper/results.jsonl"),
         "python benchmarks/emulated_training.py": committed.records("docs/cluster/training_links.jsonl"),
     }
