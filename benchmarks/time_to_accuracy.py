@@ -207,7 +207,7 @@ def scores(records: list[dict], constants: dict, step_ms: float | None = None) -
     return rows
 
 
-def markdown_table(rows: list[dict], links=("1 GbE", "10 GbE"), counts=(1, 4, 8, 16, 32, 64)) -> str:
+def markdown_table(rows: list[dict], links=("1 GbE", "10 GbE"), counts=(1, 2, 4, 8, 16, 32, 64)) -> str:
     """The README's table of `scores` rows: minutes to target per method and
     K (rows, in the records' order) and N (columns), each cell the `links`'
     scores joined by " / " (two decimals; one where they agree); "not reached" at the first N where
