@@ -295,17 +295,16 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.collective}: no workers records of benchmarks/collective.py")
         constants = dict(zip(cost_model.PARAMS, map(float, cost_model.fit(workers, args.cores))))
         source = f"fitted to {args.collective} ({len(workers)} workers records)"
-    if not args.markdown:
+    rows = scores(records, constants, args.step_ms)
+    if args.markdown:
+        print(markdown_table(rows))
+    else:
         print(json.dumps({
             "constants": source, "latency_ms": round(constants["a"] * 1e3, 3),
             "per_byte_GBps": cost_model._rate(constants["u"]), "ring_latency_ms": round(constants["a_ring"] * 1e3, 3),
             "ring_per_byte_GBps": cost_model._rate(constants["u_ring"]),
             "links_GBps": {k: None if v is None else v / 1e9 for k, v in LINKS.items()},
         }))  # fmt: skip
-    rows = scores(records, constants, args.step_ms)
-    if args.markdown:
-        print(markdown_table(rows))
-    else:
         for row in rows:
             print(json.dumps(row))
     if args.plot:
