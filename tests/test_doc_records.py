@@ -533,7 +533,9 @@ def test_the_time_to_accuracy_figures_are_the_scripts_output():
     text = committed.page("docs/guide/evaluation.md", collapse=False)
     table = text[text.index("| method | N | epochs (median) | minutes on 1 GbE | on 10 GbE |") :].split("\n\n")[0]
     shown = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
-    assert len(shown) >= 8, table
+    reaching = {(r["method"], r["replicas"]) for r in edge_rows if r["link"] == "1 GbE" and r["local_steps"] == 1}
+    reaching = {(m, n) for m, n in reaching if n in (32, 64) and score["1 GbE", m, 1, n]["epochs_to_target"]}
+    assert {(method, int(n)) for method, n, *_ in shown} == reaching, table  # every method that reaches it
     for method, n, epochs, slow, fast in shown:
         gbe, ten = score["1 GbE", method, 1, int(n)], score["10 GbE", method, 1, int(n)]
         assert (epochs, slow, fast) == (str(gbe["epochs_to_target"]), f"{gbe['score']:.2f}", f"{ten['score']:.2f}"), (
@@ -578,6 +580,53 @@ def _method_name(r):
 
 #: The commit whose tree holds the replica sweep of 2026-12-05, which the page compares with its own records.
 EARLIER_REPLICA_SWEEP = "112f517"
+#: The commit whose tree holds the edge sweep's variant runs of 2026-12-06 and 07.
+EARLIER_EDGE_SWEEP = "46d1ad8"
+
+
+def _earlier_records(commit, path):
+    """`path`'s records at `commit`, from the repository's history; skips
+    the test, with the reason, without git or the history."""
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    try:
+        shown = subprocess.run(["git", "-C", root, "show", f"{commit}:{path}"], capture_output=True, text=True)
+    except OSError as error:  # no git
+        pytest.skip(f"the earlier records need git and the repository's history: {error}")
+    if shown.returncode != 0:
+        pytest.skip(f"the earlier records need the repository's history: {shown.stderr.strip()}")
+    return [json.loads(line) for line in shown.stdout.splitlines() if line.strip()]
+
+
+def _seed_for_seed(now, earlier):
+    """Runs of the same configuration and seed, then and now (`earlier` maps
+    a run's key to its earlier record): how many reached the target in the
+    same epoch, one epoch apart, two or more apart (and the most), missed it
+    both times (and the most their best accuracies differ, in points), and
+    which changed verdict, as `(then, now)` pairs."""
+    counts = {"same": 0, "one": 0, "more": 0, "most": 0, "both missed": 0, "best apart": 0.0}
+    changed = []
+    for key, r in now.items():
+        then = earlier[key]
+        a, b = then["epochs_until_convergence"], r["epochs_until_convergence"]
+        if (a == -1) != (b == -1):
+            changed.append((then, r))
+        elif a == -1:
+            counts["both missed"] += 1
+            counts["best apart"] = max(counts["best apart"], 100 * abs(then["best_acc"] - r["best_acc"]))
+        else:
+            counts["same" if a == b else "one" if abs(a - b) == 1 else "more"] += 1
+            counts["most"] = max(counts["most"], abs(a - b))
+    return counts, changed
+
+
+def _verdict(then, now):
+    """How the page tells a run's two verdicts: "8 epochs then, best 99.26% now"."""
+    return " ".join(
+        f"{r['epochs_until_convergence']} epochs {when}"
+        if r["epochs_until_convergence"] != -1
+        else f"best {100 * r['best_acc']:.2f}% {when}"
+        for r, when in ((then, "then,"), (now, "now"))
+    )
 
 
 def test_the_replica_sweep_against_its_earlier_run_is_the_two_records():
@@ -585,50 +634,70 @@ def test_the_replica_sweep_against_its_earlier_run_is_the_two_records():
     runs against the same seeds' runs of 2026-12-05 (from the repository's
     history), seed for seed: how many reached the target in the same epoch,
     one or more epochs apart, missed it both times, or changed verdict."""
-    root = os.path.join(os.path.dirname(__file__), os.pardir)
-    try:
-        shown = subprocess.run(
-            ["git", "-C", root, "show", f"{EARLIER_REPLICA_SWEEP}:docs/eval_replicas/results.jsonl"],
-            capture_output=True,
-            text=True,
-        )
-    except OSError as error:  # no git
-        pytest.skip(f"the earlier sweep's records need git and the repository's history: {error}")
-    if shown.returncode != 0:
-        pytest.skip(f"the earlier sweep's records need the repository's history: {shown.stderr.strip()}")
 
     def key(r):
         return r["combiner"], r["local_steps"], r["replicas"], r["seed"]
 
-    earlier = {key(r): r for r in map(json.loads, shown.stdout.splitlines())}
-    now = committed.records("docs/eval_replicas/results.jsonl")
-    assert {key(r) for r in now} == set(earlier)
-    same = apart_one = apart_more = both_missed = most = 0
-    changed, best_apart = [], []
-    for r in now:
-        then = earlier[key(r)]
-        a, b = then["epochs_until_convergence"], r["epochs_until_convergence"]
-        if (a == -1) != (b == -1):
-            changed.append(r)
-        elif a == -1:
-            both_missed += 1
-            best_apart.append(abs(then["best_acc"] - r["best_acc"]))
-        else:
-            same, apart_one, apart_more = same + (a == b), apart_one + (abs(a - b) == 1), apart_more + (abs(a - b) > 1)
-            most = max(most, abs(a - b))
+    earlier = {key(r): r for r in _earlier_records(EARLIER_REPLICA_SWEEP, "docs/eval_replicas/results.jsonl")}
+    now = {key(r): r for r in committed.records("docs/eval_replicas/results.jsonl")}
+    assert set(now) == set(earlier)
+    counts, changed = _seed_for_seed(now, earlier)
     text = " ".join(committed.page("docs/guide/evaluation.md").split())
     quoted = (
-        f"Of the {len(now)} runs, seed for seed, {same} reached the target in the same epoch, {apart_one} one epoch "
-        f"apart, {apart_more} two or more apart, {both_missed} missed it both times (best accuracies within "
-        f"{100 * max(best_apart):.2f} points), and {len(changed)} changed verdict",
-        *(f"{_method_name(r)} at N = {r['replicas']}, seed {r['seed']}" for r in changed),
-        f"moved runs by up to {most} epochs (most by one or two)",
+        f"Of the {len(now)} runs, seed for seed, {counts['same']} reached the target in the same epoch, "
+        f"{counts['one']} one epoch apart, {counts['more']} two or more apart, {counts['both missed']} missed it "
+        f"both times (best accuracies within {counts['best apart']:.2f} points), and {len(changed)} changed verdict",
+        *(f"{_method_name(r)} at N = {r['replicas']}, seed {r['seed']} ({_verdict(then, r)})" for then, r in changed),
+        f"moved runs by up to {counts['most']} epochs (most by one or two)",
     )
-    assert apart_one + apart_more > 0 and apart_one >= apart_more  # "most by one or two"
+    assert counts["one"] + counts["more"] > 0 and counts["one"] >= counts["more"]  # "most by one or two"
     # "The largest N every seed reaches is the same for every method in both sweeps"
-    assert summary.largest_reached(now) == summary.largest_reached(list(earlier.values()))
+    earlier_runs = list(earlier.values())
+    assert summary.largest_reached(list(now.values())) == summary.largest_reached(earlier_runs)
     for figure in quoted:
         assert figure in text, figure
+
+
+def test_the_edge_variants_against_their_earlier_runs_are_the_two_records():
+    """evaluation.md's edge section: the variants' runs against the same
+    seeds' runs of 2026-12-06 and 07 (from the repository's history), seed
+    for seed, counted as for the replica sweep."""
+
+    def key(r):
+        return summary.config_of(r).method, r["replicas"], r["seed"]
+
+    def variants(records):
+        return {key(r): r for r in records if "--preset replicas" not in r["command"]}
+
+    earlier = variants(_earlier_records(EARLIER_EDGE_SWEEP, "docs/eval_edge/results.jsonl"))
+    now = variants(committed.records("docs/eval_edge/results.jsonl"))
+    assert set(now) <= set(earlier)  # the skip rule ran fewer this time
+    counts, changed = _seed_for_seed(now, earlier)
+    text = " ".join(committed.page("docs/guide/evaluation.md").split())
+    quoted = (
+        f"Of the {len(now)} runs, seed for seed, {counts['same']} reached the target in the same epoch, "
+        f"{counts['one']} one epoch apart, {counts['more']} two apart, {counts['both missed']} missed it both times "
+        f"(best accuracies within {counts['best apart']:.2f} points), and {len(changed)} changed verdict",
+        *(f"`{key(r)[0]}` at N = {r['replicas']}, seed {r['seed']} ({_verdict(then, r)})" for then, r in changed),
+        f"the earlier runs' {len(earlier) - len(now)} others",
+    )
+    assert counts["most"] == 2, counts  # "two apart"
+    for figure in quoted:
+        assert figure in text, figure
+    # The README's "Where it stops" names the days the variants ran, and what the table's last column says.
+    days = sorted({r["date"][:10] for r in now.values()})
+    assert [d[:8] for d in days] == ["2026-12-"] * 2, days
+    readme = " ".join(committed.page("README.md").split())
+    assert f"its variants' runs of {days[0]} and {days[1][-2:]}" in readme
+    edge = committed.records("docs/eval_edge/results.jsonl")
+
+    def reached(method, n):
+        return sum(r["epochs_until_convergence"] != -1 for r in edge if key(r)[:2] == (method, n))
+
+    adasum_variants = ("adasum gradient", "adasum lamb", "adasum warmup", "adasum scaled")
+    assert reached("adasum", 64) == 2 and reached("lamb-scaled", 64) == 3  # "(N = 64, two seeds of three)", "all three"
+    assert all(reached(m, 64) <= 2 and reached(m, 128) == reached(m, 256) == 0 for m in adasum_variants)
+    assert "no more seeds than plain Adasum (N = 64, two seeds of three)" in readme
 
 
 def test_local_steps_on_a_slow_link_are_the_sweeps_epochs_times_the_measured_minutes():
