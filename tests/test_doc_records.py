@@ -700,6 +700,76 @@ def test_the_edge_variants_against_their_earlier_runs_are_the_two_records():
     assert "no more seeds than plain Adasum (N = 64, two seeds of three)" in readme
 
 
+def test_the_edge_sweeps_prose_is_its_records():
+    """evaluation.md's "What the variants do" and "What to pick" beside the
+    edge sweep's table: every figure from its records (median best accuracy,
+    median epochs and their range, seeds that reached the target, the first
+    epoch's accuracy), and the comparisons the prose makes of them."""
+    edge = committed.records("docs/eval_edge/results.jsonl")
+    words = ("none", "one", "two", "three")
+
+    def runs(method, n):
+        chosen = [r for r in edge if summary.config_of(r).method == method and r["replicas"] == n]
+        assert len(chosen) in (0, 3), (method, n, len(chosen))
+        return chosen
+
+    def median_best(method, n):
+        return statistics.median(r["best_acc"] for r in runs(method, n))
+
+    def best(method, n):
+        return f"{100 * median_best(method, n):.2f}%"
+
+    def reached(method, n):
+        return sum(r["epochs_until_convergence"] != -1 for r in runs(method, n))
+
+    def epochs(method, n):
+        shown = sorted(r["epochs_until_convergence"] for r in runs(method, n))
+        assert shown[0] != -1, (method, n, shown)  # every seed reached it
+        return shown
+
+    def first_epoch(method):
+        (run,) = [r for r in runs(method, 64) if r["seed"] == 0]
+        return f"{100 * run['accuracy_per_epoch'][0]:.1f}%"
+
+    methods = {summary.config_of(r).method for r in edge}
+    for n, leader in ((128, "lamb-scaled"), (256, "keras-scaled")):  # "the best median at 128", "leads"
+        assert max((m for m in methods if runs(m, n)), key=lambda m: median_best(m, n)) == leader
+    assert reached("adasum gradient", 32) == reached("adasum gradient", 64) == 0  # "worse ... at both N it ran"
+    assert not runs("adasum gradient", 128) and not runs("adasum lamb", 256)  # "the preset then skips it"
+    assert all(median_best("adasum lamb", n) < median_best("adasum", n) for n in (32, 64, 128))
+    variants = ("adasum gradient", "adasum lamb", "adasum warmup", "adasum scaled")
+    assert all(reached(m, 64) <= reached("adasum", 64) for m in variants)  # "the best, plain Adasum"
+    lamb64 = epochs("lamb-scaled", 64)
+    quoted = (
+        f"({best('adasum gradient', 64)} at N = 64, where delta mode reaches the target with "
+        f"{words[reached('adasum', 64)]} seeds of three), a little above gradient averaging at the base rate "
+        f"(`keras`, {best('keras', 64)})",
+        f"misses already at N = 32 with {words[3 - reached('adasum lamb', 32)]} seeds of three (median best "
+        f"{best('adasum lamb', 32)}) and falls to {best('adasum lamb', 64)} at 64 and {best('adasum lamb', 128)} "
+        "at 128",
+        f"it reaches 99.3% at N = 64 with every seed (median {lamb64[1]} epochs, {lamb64[0]} to {lamb64[2]})",
+        f"at 128 and 256 it ends at {best('lamb-scaled', 128)} and {best('lamb-scaled', 256)} (median), the best "
+        "median at 128",
+        f"(after the first epoch at N = 64: {first_epoch('adasum warmup')} against {first_epoch('adasum')}, seed 0)",
+        f"takes more epochs at 32 (median {epochs('adasum warmup', 32)[1]} against {epochs('adasum', 32)[1]}) and "
+        f"ends lower: {best('adasum warmup', 64)} at 64 and {best('adasum warmup', 128)} at 128 (medians)",
+        f"epochs than plain Adasum at N = 32 (median {epochs('adasum scaled', 32)[1]} against "
+        f"{epochs('adasum', 32)[1]}), reaches the target at 64 with {words[reached('adasum scaled', 64)]} seed of "
+        f"three (plain Adasum: {words[reached('adasum', 64)]}; median best {best('adasum scaled', 64)})",
+        f"at 128 ({best('adasum scaled', 128)}, against {best('lamb-scaled', 128)} for `lamb-scaled`, "
+        f"{best('adasum', 128)} for Adasum and {best('keras-scaled', 128)} for `keras-scaled`) and 256 "
+        f"({best('adasum scaled', 256)}, where `keras-scaled` leads with {best('keras-scaled', 256)})",
+        f"best medians: `lamb-scaled` {best('lamb-scaled', 128)} (128), `keras-scaled` {best('keras-scaled', 256)} "
+        "(256)",
+        f"reach the target at 64 with fewer seeds ({words[reached('adasum warmup', 64)]} and "
+        f"{words[reached('adasum scaled', 64)]} of three)",
+        f"(the best, plain Adasum, with {words[reached('adasum', 64)]} seeds of three)",
+    )
+    text = " ".join(committed.page("docs/guide/evaluation.md").split())
+    for figure in quoted:
+        assert figure in text, figure
+
+
 def test_local_steps_on_a_slow_link_are_the_sweeps_epochs_times_the_measured_minutes():
     """evaluation.md's "Local steps on a slow link": the replica sweep's
     median epochs at N = 2 and 4, times the emulated hosts' measured minutes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import html.parser
 import inspect
+import itertools
 import os
 import pathlib
 import re
@@ -257,3 +258,151 @@ def test_the_api_references_name_table_is_all():
             assert importlib.import_module(f"tf_adasum.{name}") is value, name
         elif not where.endswith(".py"):
             assert value.__module__ == where, (name, value.__module__, where)
+
+
+#: Every table of measured figures in the README and the guide, by its page
+#: and header line, with how many tables share that header there and the
+#: test (file and function) that checks them against their committed
+#: records. A new table of figures fails the test below until it is here.
+MEASURED_TABLES = {
+    ("README.md", "| method | N=1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 256 | largest N, every seed |"): (
+        1,
+        "test_eval.py::test_replica_tables_are_their_records",
+    ),
+    ("README.md", "| combiner | link | N=1 | 2 | 4 | 8 | 16 | 32 | 64 |"): (
+        1,
+        "test_doc_records.py::test_the_time_to_accuracy_figures_are_the_scripts_output",
+    ),
+    ("docs/guide/benchmarks.md", "| engine | N | buffer | adasum_ms | native_ms | ratio | rvh_sum_ms | dots_ms |"): (
+        5,
+        "test_provenance.py::test_a_benchmark_table_is_its_records",
+    ),
+    ("docs/guide/benchmarks.md", "| model | ratio, three runs | acceptance bar (issue 11) |"): (
+        1,
+        "test_provenance.py::test_the_training_step_table_is_its_records",
+    ),
+    ("docs/guide/benchmarks.md", "| engine | link | N | MiB | adasum: measured / predicted ms (ratio) |"): (
+        1,
+        "test_link_model.py::test_the_guide_holds_the_table",
+    ),
+    ("docs/guide/benchmarks.md", "| engine | processes | combines/s | threads start → end |"): (
+        1,
+        "test_provenance.py::test_the_soak_table_is_its_records",
+    ),
+    ("docs/guide/choosing.md", "| method | N="): (
+        5,
+        "test_choosing_settings.py::test_every_accuracy_table_is_the_generated_tables_cells",
+    ),
+    ("docs/guide/cluster.md", "| engine | N | 16 MiB: "): (
+        4,
+        "test_provenance.py::test_the_cluster_guides_link_tables_are_their_records",
+    ),
+    ("docs/guide/cluster.md", "| engine | N | buffer | link | commit | link_floor_ms | adasum_ms |"): (
+        3,
+        "test_provenance.py::test_a_benchmark_table_is_its_records",
+    ),
+    ("docs/guide/cluster.md", "| pattern | transport | N | buffer | messages |"): (
+        1,
+        "test_bare_exchange.py::test_the_cluster_guide_shows_the_records_table_and_quotes_their_figures",
+    ),
+    ("docs/guide/elastic.md", "| signal | K | cold start | recovery, median of 5 (range) |"): (
+        1,
+        "test_doc_records.py::test_the_recovery_table_is_its_records",
+    ),
+    ("docs/guide/elastic.md", "| row | learning rate through the resize |"): (
+        1,
+        "test_doc_records.py::test_the_resize_table_is_its_records",
+    ),
+    ("docs/guide/evaluation.md", "| seed | test accuracy after epochs 1-10 |"): (
+        1,
+        "test_doc_records.py::test_the_recipe_is_its_records",
+    ),
+    ("docs/guide/evaluation.md", "| combiner | eff. batch (4 x b) | epochs to 98% |"): (
+        1,
+        "test_doc_records.py::test_the_quick_preset_is_its_records",
+    ),
+    ("docs/guide/evaluation.md", "| method | N=1 | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 256 |"): (
+        1,
+        "test_eval.py::test_replica_tables_are_their_records",
+    ),
+    ("docs/guide/evaluation.md", "| method | N=32 | 64 | 128 | 256 |"): (
+        1,
+        "test_eval.py::test_replica_tables_are_their_records",
+    ),
+    ("docs/guide/evaluation.md", "| method | N | epochs (median) | minutes on 1 GbE |"): (
+        1,
+        "test_doc_records.py::test_the_time_to_accuracy_figures_are_the_scripts_output",
+    ),
+    ("docs/guide/evaluation.md", "| replicas | pick | why (the tables above) |"): (
+        1,
+        "test_doc_records.py::test_the_edge_sweeps_prose_is_its_records",
+    ),
+    ("docs/guide/evaluation.md", "| combiner | eff. batch"): (
+        2,
+        "test_doc_records.py::test_the_per_replica_batch_sweep_tables_are_their_records",
+    ),
+    ("docs/guide/evaluation.md", "| engine | combiner | epochs to 98% |"): (
+        1,
+        "test_doc_records.py::test_the_runs_across_processes_are_their_records",
+    ),
+    ("docs/guide/evaluation.md", "| model | N hosts | link | method | measured min/epoch |"): (
+        1,
+        "test_emulated_training.py::test_the_guides_table_is_the_records",
+    ),
+}
+
+#: Tables with figures that are not measurements (presets, options, model
+#: sizes, tested versions, exit codes), by page and header line.
+TABLES_WITHOUT_MEASUREMENTS = {
+    ("docs/guide/evaluation.md", "| preset | model / data | target, budget |"),
+    ("docs/guide/evaluation.md", "| option | values | default | meaning |"),
+    ("docs/guide/evaluation.md", "| model | what it is | parameters |"),
+    ("docs/guide/install.md", "| component | tested | notes |"),
+    ("docs/guide/security.md", "| Outcome | Launcher's exit code |"),
+}
+
+# A cell that is a figure: a number with an optional unit, bold, a bound or a
+# range in parentheses after it; or a percentage or ratio with decimals.
+_FIGURE_CELL = re.compile(r"(\*\*)?[<>]?\d+(\.\d+)?(%|x| ms| s| min)?(\*\*)?( \(.*\))?")
+_FIGURE_IN_CELL = re.compile(r"\d+\.\d+%|\d\.\d\dx")
+
+
+def _tables_with_figures() -> list[tuple[str, str]]:
+    """(page, header line) of every Markdown table in the README and the
+    guide with a cell that is a figure."""
+    found = []
+    for path in [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines[:-1]):
+            starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+            if not (starts and re.fullmatch(r"\|[-| :]+", lines[i + 1].strip())):
+                continue
+            body = itertools.takewhile(lambda row: row.startswith("|"), lines[i + 2 :])
+            cells = [cell.strip() for row in body for cell in row.strip().strip("|").split("|")]
+            if any(_FIGURE_CELL.fullmatch(cell) or _FIGURE_IN_CELL.search(cell) for cell in cells):
+                found.append((str(path.relative_to(ROOT)), line))
+    return found
+
+
+def test_every_table_of_figures_is_checked_against_its_records():
+    """Each table of figures in the README and the guide is either one the
+    registry names, with the test that checks it against its records (that
+    test exists, in a file that reads the page), or a table without
+    measurements; and the registry names no table that is gone."""
+    found = _tables_with_figures()
+    counted = {}
+    unknown = []
+    for page, header in found:
+        keys = [key for key in MEASURED_TABLES if key[0] == page and header.startswith(key[1])]
+        if keys:
+            longest = max(keys, key=lambda key: len(key[1]))  # the most specific header
+            counted[longest] = counted.get(longest, 0) + 1
+        elif not any(key[0] == page and header.startswith(key[1]) for key in TABLES_WITHOUT_MEASUREMENTS):
+            unknown.append(f"{page}: {header}")
+    assert not unknown, f"tables of figures no test is named for (add them to MEASURED_TABLES): {unknown}"
+    assert counted == {key: count for key, (count, _) in MEASURED_TABLES.items()}
+    for (page, _), (_, test) in MEASURED_TABLES.items():
+        file, function = test.split("::")
+        source = (ROOT / "tests" / file).read_text(encoding="utf-8")
+        assert f"\ndef {function}(" in source, test
+        assert page in source or page.split("/")[-1] in source, (test, page)

@@ -64,6 +64,10 @@ def test_the_guide_holds_the_table(records):
     guide = committed.page(GUIDE, collapse=False)
     assert lm.markdown(lm.check(records)) in guide
     assert f"within {lm.TOLERANCE:.0%}" in guide
+    dates = " and ".join(sorted({r["date"][:10] for r in records}))
+    processors = " and ".join(sorted({r["processor"].replace("AMD EPYC, ", "AMD EPYC with ") for r in records}))
+    shown = os.path.relpath(RECORDS, ROOT)
+    assert f"the committed records of {dates} (`{shown}`, an {processors})" in " ".join(guide.split())
 
 
 def test_the_fitted_constants_are_the_committed_ones(records):
