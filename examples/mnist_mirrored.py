@@ -50,6 +50,7 @@ def main(argv=None):
     import keras
 
     import tf_adasum
+    from tf_adasum.eval import provenance
     from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 
@@ -110,6 +111,7 @@ def main(argv=None):
         "final_test_accuracy": test_accuracy[-1],
         "seconds_per_epoch": [round(t, 1) for t in epoch_times],
         "diagnostics_png": diagnostics.png_path,
+        **provenance.fields(provenance.command_line(__file__, argv)),  # date, commit, processor, command
     }
     print(json.dumps(summary), flush=True)
     return summary

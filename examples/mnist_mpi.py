@@ -43,6 +43,7 @@ def main(argv=None):
 
     import tf_adasum
     from tf_adasum import mpi as adasum_mpi
+    from tf_adasum.eval import provenance
     from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
 
@@ -99,6 +100,7 @@ def main(argv=None):
         "test_accuracy_per_epoch": [round(a, 4) for a in test_accuracy],
         "final_test_accuracy": test_accuracy[-1],
         "seconds_per_epoch": [round(t, 1) for t in epoch_times],
+        **provenance.fields(provenance.command_line(__file__, argv)),  # date, commit, processor, command
     }
     if rank == 0:
         print(json.dumps(summary), flush=True)

@@ -63,6 +63,7 @@ def main(argv=None):
     import tensorflow as tf
 
     import tf_adasum
+    from tf_adasum.eval import provenance
     from tf_adasum.eval.data import as_float_images, load_mnist, training_stream
     from tf_adasum.eval.models import lenet5
     from tf_adasum.processes import Processes
@@ -135,6 +136,7 @@ def main(argv=None):
         "test_accuracy_per_epoch": [round(a, 4) for a in test_accuracy],
         "final_test_accuracy": test_accuracy[-1],
         "seconds_per_epoch": [round(t, 1) for t in epoch_times],
+        **provenance.fields(provenance.command_line(__file__, argv)),  # date, commit, processor, command
     }
     if is_chief:
         print(json.dumps(summary), flush=True)

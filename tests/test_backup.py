@@ -503,7 +503,11 @@ def test_killed_processes_resume_exactly(engine, tmp_path):
         errors = [json.loads(path.read_text()) for path in paths if path.exists()]
         assert errors, "\n".join(outputs)
         for error in errors:
-            assert error["type"] in ("DeadlineExceededError", "UnavailableError"), error
+            # The socket transport's own error, raised inside a tf.numpy_function, reaches
+            # the worker as TensorFlow's UnknownError with the class and our text in it.
+            kinds = ("DeadlineExceededError", "UnavailableError")
+            ours = any(f"{kind}: tf_adasum socket transport" in error["message"] for kind in kinds)
+            assert error["type"] in kinds or (error["type"] == "UnknownError" and ours), error
             # TF's coordination service (a peer's heartbeats stop, or this worker's own do not
             # get through) or the combine's own timeout; which comes first depends on the cut
             clear = ("timed out", "unhealthy", "a worker failed or left", "CoordinationService/Heartbeat")

@@ -6,7 +6,7 @@ documentation can be traced to the code and the machine that produced it:
 
 * ``date``: UTC, ISO 8601 to the second (``2026-12-07T01:02:03+00:00``);
 * ``commit``: the checkout's short hash, with ``-dirty`` when the code (the
-  package, the benchmarks, ``setup.py``) differs from it or has new files;
+  package, the benchmarks, the examples, ``setup.py``) differs from it or has new files;
   records and pages, which a run into ``docs/`` writes itself, do not count;
   ``""`` outside a git checkout of this project;
 * ``processor``: the model name from ``/proc/cpuinfo`` and the widest x86
@@ -42,7 +42,7 @@ __all__ = ["PATH_VARIABLES", "command_line", "commit", "fields", "processor", "v
 #: The repository's root (the folder above the package).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: What counts as the code for ``-dirty``: not the records and pages under docs/.
-CODE_PATHS = ("tf_adasum", "benchmarks", "setup.py")
+CODE_PATHS = ("tf_adasum", "benchmarks", "examples", "setup.py")
 
 
 def commit() -> str:
