@@ -770,6 +770,44 @@ def test_the_edge_sweeps_prose_is_its_records():
         assert figure in text, figure
 
 
+def test_the_examples_runs_are_their_records():
+    """The diagnostics and multi-worker guides' runs of the MNIST examples
+    (6 epochs, 4 replicas): their JSON summary lines, committed, give the
+    day, the processor, the accuracy per epoch and the seconds per epoch
+    the pages quote."""
+    mirrored, workers, ranks = committed.records("docs/examples/results.jsonl")
+    assert [r["example"] for r in (mirrored, workers, ranks)] == ["mnist_mirrored", "mnist_multiworker", "mnist_mpi"]
+    assert mirrored["replicas"] == workers["workers"] == ranks["ranks"] == 4
+    assert {r["epochs"] for r in (mirrored, workers, ranks)} == {6}
+
+    def later(run):
+        after = run["seconds_per_epoch"][1:]
+        return f"{min(after):.1f}-{max(after):.1f} s"
+
+    def percent(run):
+        return f"{100 * run['final_test_accuracy']:.2f}%"
+
+    def day_and_processor(run):
+        return f"On {run['date'][:10]}", run["processor"].replace("AMD EPYC, ", "an AMD EPYC with ")
+
+    diagnostics = " ".join(committed.page("docs/guide/diagnostics.md").split())
+    curve = ", ".join(f"{100 * a:.2f}" for a in mirrored["test_accuracy_per_epoch"])
+    for figure in (
+        *day_and_processor(mirrored),
+        f"it reached {percent(mirrored)} test accuracy after 6 epochs ({curve}), at {later(mirrored)} per epoch "
+        f"after the first ({mirrored['seconds_per_epoch'][0]:.1f} s, with the tracing)",
+    ):
+        assert figure in diagnostics, figure
+    guide = " ".join(committed.page("docs/guide/multiworker.md").split())
+    assert workers["date"][:10] == ranks["date"][:10] and workers["processor"] == ranks["processor"]
+    for figure in (
+        *day_and_processor(workers),
+        f"they reached {percent(workers)} (workers) and {percent(ranks)} (MPI ranks) test accuracy after 6 epochs, "
+        f"at {later(workers).removesuffix(' s')} s and {later(ranks)} per epoch after the first",
+    ):
+        assert figure in guide, figure
+
+
 def test_local_steps_on_a_slow_link_are_the_sweeps_epochs_times_the_measured_minutes():
     """evaluation.md's "Local steps on a slow link": the replica sweep's
     median epochs at N = 2 and 4, times the emulated hosts' measured minutes
