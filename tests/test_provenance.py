@@ -195,6 +195,14 @@ def test_the_cost_models_extrapolations_are_its_fits():
     )
     for figure in quoted:
         assert figure in text, figure
+    # The 2026-12-04 fit, whose records were not kept: time to accuracy's defaults, and their ratio at N = 4.
+    c = committed.benchmark("time_to_accuracy").DEFAULT_CONSTANTS
+    fitted["defaults"] = (c["a"], c["u"], c["a_ring"], c["u_ring"])
+    defaults = (
+        f"`a` = {c['a'] * 1e3:.2f} ms, `1/u` = {1e-9 / c['u']:.2f} GB/s, `a'` = {c['a_ring'] * 1e3:.2f} ms, "
+        f"`1/u'` = {1e-9 / c['u_ring']:.2f} GB/s, and {ratios('defaults', [4])} the ring at N = 4"
+    )
+    assert defaults in text, defaults
 
 
 def test_the_cluster_guides_link_tables_are_their_records():
@@ -363,7 +371,10 @@ def test_the_collectives_prose_quotes_its_records():
     engines = committed.page("docs/guide/engines.md")
     across = [r["ratio"] for r in loopback if r["engine"] == "workers"]
     assert f"over this transport takes {_span(across, 'x')} the time of the strategy's own all-reduce" in engines
-    assert f"made Adasum {_span(workers, 'x')} slower than full width" in engines
+    assert (
+        f"made Adasum {_span(workers, 'x')} slower than full width across localhost worker processes, and "
+        f"{local[2]} (N = 2) and {local[4]} (N = 4) slower on local devices" in engines
+    )
 
 
 def _lacking(record):
