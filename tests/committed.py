@@ -40,3 +40,28 @@ def load_script(path) -> object:
 def benchmark(name: str) -> object:
     """``benchmarks/<name>.py`` as a module."""
     return load_script(os.path.join("benchmarks", f"{name}.py"))
+
+
+def tables(path) -> list[tuple[str, list[str]]]:
+    """The Markdown tables of a page, in page order: each as its header line
+    and its body rows (the separator line left out), so that a test can
+    check a table has exactly the rows of its records."""
+    found, lines = [], page(path, collapse=False).splitlines()
+    for i, line in enumerate(lines[:-1]):
+        separator = lines[i + 1].strip()
+        table = separator.startswith("|") and "-" in separator and set(separator) <= set("|-: ")
+        if table and line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            body = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                body.append(row)
+            found.append((line, body))
+    return found
+
+
+def table_rows(path, header_start) -> list[str]:
+    """The body rows of the one table of `path` whose header line starts
+    with `header_start`."""
+    (rows,) = [body for header, body in tables(path) if header.startswith(header_start)]
+    return rows

@@ -66,6 +66,9 @@ def test_the_resize_table_is_its_records():
         accuracy = ", ".join(f"{100 * r['accuracy'][-1]:.2f}" for r in runs)
         row = f"| {cells} | {shown} | {median} | {accuracy}% |"
         assert row in text, row
+    assert len(committed.table_rows("docs/guide/elastic.md", "| row | learning rate through the resize |")) == len(
+        RESIZE_ROWS
+    )
     fixed, resized = epochs["adasum", "fixed"], epochs["adasum", "8-4-8"]
     moved = [b - a for a, b in zip(fixed, resized)]
     quoted = (
@@ -179,6 +182,9 @@ def test_the_per_replica_batch_sweep_tables_are_their_records():
         )
         row = f"| {name} | {' | '.join(cells)} |"
         assert row in text, row
+    page = "docs/guide/evaluation.md"
+    assert len(committed.table_rows(page, f"| combiner | {header} |")) == len(by_name)
+    assert len(committed.table_rows(page, "| combiner | eff. batch | b x K |")) == len(rows)
     for r in rows:
         row = (
             f"| {_paper_name(r)} | {r['effective_batch']} | {r['batch_per_replica']} x {r['local_steps']} | "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import html
 import html.parser
 import inspect
-import itertools
 import os
 import pathlib
 import re
@@ -21,6 +20,7 @@ import subprocess
 import sys
 import urllib.parse
 
+import committed
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -372,15 +372,10 @@ def _tables_with_figures() -> list[tuple[str, str]]:
     guide with a cell that is a figure."""
     found = []
     for path in [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        for i, line in enumerate(lines[:-1]):
-            starts = line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
-            if not (starts and re.fullmatch(r"\|[-| :]+", lines[i + 1].strip())):
-                continue
-            body = itertools.takewhile(lambda row: row.startswith("|"), lines[i + 2 :])
+        for header, body in committed.tables(path):
             cells = [cell.strip() for row in body for cell in row.strip().strip("|").split("|")]
             if any(_FIGURE_CELL.fullmatch(cell) or _FIGURE_IN_CELL.search(cell) for cell in cells):
-                found.append((str(path.relative_to(ROOT)), line))
+                found.append((str(path.relative_to(ROOT)), header))
     return found
 
 

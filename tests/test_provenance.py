@@ -217,16 +217,25 @@ def test_the_cluster_guides_link_tables_are_their_records():
     for r in records:
         rows.setdefault((r["engine"], r["replicas"], r["link"]), {})[r["bytes"] >> 20] = r
     assert len(rows) == 10, sorted(rows)
-    for (engine, n, _), by_size in rows.items():
+    shown = {}  # link -> the rows of its two tables (ratios, milliseconds), as the records give them
+    for (engine, n, link), by_size in rows.items():
         small, large = by_size[16], by_size[64]
         ratios = " | ".join(
             f"{r['ratio_to_link_floor']:.2f}, {r['native_ratio_to_link_floor']:.2f}" for r in (small, large)
         )
         speedups = ", ".join(f"{r['adasum_ms'] / r['compressed_ms']:.2f}x" for r in (small, large))
-        assert f"| {names[engine]} | {n} | {ratios} | {speedups} |" in text, (engine, n, ratios, speedups)
         fields = ("link_floor_ms", "adasum_ms", "native_ms", "compressed_ms")
         ms = " | ".join(", ".join(f"{r[k]:.0f}" for k in fields) for r in (small, large))
-        assert f"| {names[engine]} | {n} | {ms} |" in text, (engine, n, ms)
+        pair = shown.setdefault(link, (set(), set()))
+        pair[0].add(f"| {names[engine]} | {n} | {ratios} | {speedups} |")
+        pair[1].add(f"| {names[engine]} | {n} | {ms} |")
+    # The page's four tables, in order: ratios then milliseconds at 1 Gbit/s, then at 4 Gbit/s.
+    tables = [
+        set(body)
+        for header, body in committed.tables("docs/guide/cluster.md")
+        if header.startswith("| engine | N | 16 MiB: ")
+    ]
+    assert tables == [*shown["1gbit"], *shown["4gbit"]], tables
     for command in {r["command"] for r in records}:
         assert command in text, command
     (commit,) = {r["commit"] for r in records}
@@ -293,6 +302,8 @@ def test_the_training_step_table_is_its_records():
     for model, name in (("lenet5", "LeNet-5"), ("mlp10m", "10M MLP")):
         ratios = ", ".join(f"{r['ratio']:.2f}" for r in rows if r["model"] == model)
         assert f"| {name} | {ratios} |" in text, (model, ratios)
+    models = {r["model"] for r in rows}
+    assert len(committed.table_rows("docs/guide/benchmarks.md", "| model | ratio, three runs |")) == len(models)
     assert rows[0]["command"] in text and rows[0]["date"][:10] in text
     spans = {m: sorted(r["ratio"] for r in rows if r["model"] == m) for m in ("lenet5", "mlp10m")}
     readme = committed.page("README.md")
@@ -314,6 +325,9 @@ def test_the_soak_table_is_its_records():
             f"{r['max_rss_growth_mib_per_1000']:.2f}; {r['max_rss_growth_mib_per_1000_second_half']:.2f} |"
         )
         assert row in text, row
+    assert len(committed.table_rows("docs/guide/benchmarks.md", "| engine | processes | combines/s |")) == len(
+        summaries
+    )
     assert summaries[0]["command"] in text and summaries[0]["commit"] in text
 
 
