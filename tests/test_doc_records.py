@@ -797,6 +797,7 @@ def test_the_examples_runs_are_their_records():
         return f"On {run['date'][:10]}", run["processor"].replace("AMD EPYC, ", "an AMD EPYC with ")
 
     diagnostics = " ".join(committed.page("docs/guide/diagnostics.md").split())
+    assert mirrored["command"] in diagnostics and mirrored["commit"] == workers["commit"] == ranks["commit"]
     curve = ", ".join(f"{100 * a:.2f}" for a in mirrored["test_accuracy_per_epoch"])
     for figure in (
         *day_and_processor(mirrored),

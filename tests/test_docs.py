@@ -395,6 +395,10 @@ def test_every_table_of_figures_is_checked_against_its_records():
         elif not any(key[0] == page and header.startswith(key[1]) for key in TABLES_WITHOUT_MEASUREMENTS):
             unknown.append(f"{page}: {header}")
     assert not unknown, f"tables of figures no test is named for (add them to MEASURED_TABLES): {unknown}"
+    stale = [
+        key for key in TABLES_WITHOUT_MEASUREMENTS if not any(p == key[0] and h.startswith(key[1]) for p, h in found)
+    ]
+    assert not stale, f"TABLES_WITHOUT_MEASUREMENTS names tables that are gone: {stale}"
     assert counted == {key: count for key, (count, _) in MEASURED_TABLES.items()}
     for (page, _), (_, test) in MEASURED_TABLES.items():
         file, function = test.split("::")

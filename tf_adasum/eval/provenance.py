@@ -1,8 +1,10 @@
 """Where a record came from: its date, the commit, the processor and the command.
 
-Every evaluation record (`tf_adasum.eval.runner`) and every benchmark record
-(``benchmarks/*.py``) carries these four fields, so that a figure in the
-documentation can be traced to the code and the machine that produced it:
+Every evaluation record (`tf_adasum.eval.runner`), every benchmark record
+(``benchmarks/*.py``) and the MNIST examples' JSON summary line carry these
+four fields (a launched example's ``command`` is what its process ran, not
+the launcher's command), so that a figure in the documentation can be
+traced to the code and the machine that produced it:
 
 * ``date``: UTC, ISO 8601 to the second (``2026-12-07T01:02:03+00:00``);
 * ``commit``: the checkout's short hash, with ``-dirty`` when the code (the
