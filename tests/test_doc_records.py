@@ -676,7 +676,8 @@ def test_the_edge_variants_against_their_earlier_runs_are_the_two_records():
         return {key(r): r for r in records if "--preset replicas" not in r["command"]}
 
     earlier = variants(_earlier_records(EARLIER_EDGE_SWEEP, "docs/eval_edge/results.jsonl"))
-    now = variants(committed.records("docs/eval_edge/results.jsonl"))
+    edge = committed.records("docs/eval_edge/results.jsonl")
+    now = variants(edge)
     assert set(now) <= set(earlier)  # the skip rule ran fewer this time
     counts, changed = _seed_for_seed(now, earlier)
     text = " ".join(committed.page("docs/guide/evaluation.md").split())
@@ -695,7 +696,6 @@ def test_the_edge_variants_against_their_earlier_runs_are_the_two_records():
     assert [d[:8] for d in days] == ["2026-12-"] * 2, days
     readme = " ".join(committed.page("README.md").split())
     assert f"its variants' runs of {days[0]} and {days[1][-2:]}" in readme
-    edge = committed.records("docs/eval_edge/results.jsonl")
 
     def reached(method, n):
         return sum(r["epochs_until_convergence"] != -1 for r in edge if key(r)[:2] == (method, n))
